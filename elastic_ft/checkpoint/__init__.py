@@ -1,0 +1,1 @@
+"""Checkpoints: object stores, the manifest commit protocol, save, load and retention."""

@@ -1,0 +1,109 @@
+"""The manifest: the commit marker of a checkpoint, and its parsing.
+
+A checkpoint exists only once ``manifests/<step>.json`` exists. The manifest
+names every blob with its key, size and sha256, so a load can verify every
+byte. It is plain JSON (never pickle), and strict: a manifest of another run
+or of an unknown format version is an error, not something to guess at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+FORMAT = "elastic_ft.checkpoint/1"
+MANIFEST_PREFIX = "manifests/"
+BLOB_PREFIX = "blobs/"
+_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used: unparsable, foreign, or of another format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlobRef:
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    step: int
+    cursor: int
+    """Global samples consumed when this checkpoint was taken."""
+    created: float
+    writer: str
+    """Token unique to the writing attempt; tells our own retried commit from a rival's."""
+    config_hash: str
+    blobs: dict[str, BlobRef]
+    world: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The world at save (informational: nothing on load depends on it)."""
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+    scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    format: str = FORMAT
+
+    @property
+    def key(self) -> str:
+        return manifest_key(self.step)
+
+    @property
+    def total_size(self) -> int:
+        return sum(b.size for b in self.blobs.values())
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        return json.dumps(d, indent=1, sort_keys=True).encode()
+
+
+def manifest_key(step: int) -> str:
+    return f"{MANIFEST_PREFIX}{step:012d}.json"
+
+
+def step_of_key(key: str) -> int | None:
+    """The step a manifest key names, or None if ``key`` is not a manifest key."""
+    m = _MANIFEST_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None) -> Manifest:
+    """Parse and check one manifest; raises :class:`ManifestError` naming ``key``."""
+    try:
+        d = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"manifest {key!r} is not valid JSON ({exc}); it was not written by elastic_ft") from exc
+    if not isinstance(d, dict):
+        raise ManifestError(f"manifest {key!r} is not a JSON object")
+    fmt = d.get("format")
+    if fmt != FORMAT:
+        raise ManifestError(
+            f"manifest {key!r} has format {fmt!r}, but this elastic_ft reads {FORMAT!r}; "
+            f"use the elastic_ft version that wrote it, or start a new run_id"
+        )
+    run_id = d.get("run_id")
+    if expected_run_id is not None and run_id != expected_run_id:
+        raise ManifestError(
+            f"manifest {key!r} belongs to run {run_id!r}, not {expected_run_id!r}; "
+            f"point checkpoint_uri/run_id at this run's own directory"
+        )
+    try:
+        blobs = {name: BlobRef(**ref) for name, ref in d["blobs"].items()}
+        m = Manifest(
+            run_id=run_id, step=int(d["step"]), cursor=int(d["cursor"]), created=float(d["created"]),
+            writer=str(d["writer"]), config_hash=str(d["config_hash"]), blobs=blobs,
+            world=d.get("world", {}), rng=d.get("rng", {}), scheduler=d.get("scheduler", {}),
+            batch_plan=d.get("batch_plan", {}), format=fmt,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"manifest {key!r} is missing or has a malformed field: {exc!r}") from exc
+    if step_of_key(key) not in (None, m.step):
+        raise ManifestError(f"manifest {key!r} records step {m.step}, which does not match its key")
+    for name, ref in blobs.items():
+        if not ref.key.startswith(BLOB_PREFIX) or ".." in ref.key.split("/"):
+            raise ManifestError(f"manifest {key!r} references blob {name!r} outside this run: {ref.key!r}")
+    return m

@@ -1,0 +1,99 @@
+"""Retention and garbage collection, planned by a pure function.
+
+:func:`plan_gc` takes what is in the store (manifests with the blobs they
+reference, and every blob object with its age) and the policy, and returns
+what to delete with a reason for each. :func:`apply_gc` carries a plan out:
+manifests first (a checkpoint stops existing the moment its manifest goes),
+then blobs, so a crash half-way leaves only orphans that the next gc collects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elastic_ft.checkpoint.manifest import BLOB_PREFIX
+from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int | None = 3
+    """Newest committed checkpoints to keep (None keeps all)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    orphan_grace_s: float = 3600.0
+    """Blobs referenced by no manifest are deleted only once older than this
+    (a save in flight has blobs but no manifest yet)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Deletion:
+    key: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GcPlan:
+    manifests: list[Deletion]
+    blobs: list[Deletion]
+    kept_steps: list[int]
+
+    def lines(self) -> list[str]:
+        out = [f"keep checkpoints at steps {self.kept_steps}"]
+        out += [f"delete {d.key}  ({d.reason})" for d in self.manifests + self.blobs]
+        return out
+
+
+def plan_gc(
+    manifests: dict[int, tuple[str, set[str]]],
+    blobs: list[ObjectInfo],
+    policy: RetentionPolicy,
+    now: float,
+) -> GcPlan:
+    """Decide what to delete.
+
+    ``manifests`` maps step -> (manifest key, keys of the blobs it references);
+    ``blobs`` lists every object under ``blobs/``. The newest checkpoint is
+    always kept, and no blob referenced by a kept manifest is ever deleted.
+    """
+    steps = sorted(manifests)
+    keep: set[int] = set(steps if policy.keep_last is None else steps[-policy.keep_last :])
+    if steps:
+        keep.add(steps[-1])
+    if policy.keep_every:
+        keep |= {s for s in steps if s % policy.keep_every == 0}
+    drop_manifests = [
+        Deletion(manifests[s][0], f"step {s} is past retention (keep_last={policy.keep_last}, "
+                                  f"keep_every={policy.keep_every})")
+        for s in steps if s not in keep
+    ]
+    referenced_by_kept = set().union(*(manifests[s][1] for s in keep)) if keep else set()
+    referenced_by_dropped = set().union(*(manifests[s][1] for s in steps if s not in keep)) if steps else set()
+    drop_blobs = []
+    for obj in blobs:
+        if not obj.key.startswith(BLOB_PREFIX) or obj.key in referenced_by_kept:
+            continue
+        if obj.key in referenced_by_dropped:
+            drop_blobs.append(Deletion(obj.key, "referenced only by deleted checkpoints"))
+        elif now - obj.mtime >= policy.orphan_grace_s:
+            drop_blobs.append(Deletion(obj.key, f"orphan (no manifest), {now - obj.mtime:.0f}s old"))
+    return GcPlan(drop_manifests, drop_blobs, sorted(keep))
+
+
+def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: str | None = None) -> GcPlan:
+    """Read the store and plan its gc (reads only)."""
+    from elastic_ft.checkpoint.reader import list_manifests, read_manifest
+    from elastic_ft.checkpoint.manifest import step_of_key
+
+    manifests = {}
+    for info in list_manifests(store):
+        m = read_manifest(store, info.key, run_id=run_id)
+        manifests[step_of_key(info.key)] = (info.key, {b.key for b in m.blobs.values()})
+    return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now)
+
+
+def apply_gc(store: ObjectStore, plan: GcPlan) -> None:
+    for d in plan.manifests:
+        store.delete(d.key)
+    for d in plan.blobs:
+        store.delete(d.key)

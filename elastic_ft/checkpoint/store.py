@@ -1,0 +1,253 @@
+"""The object store: the narrow interface every checkpoint backend implements.
+
+A checkpoint is a set of immutable blobs plus one manifest written last. The
+store only needs five verbs for that; everything about *what* is stored (the
+manifest, hashing, retention) lives above it, so the filesystem and S3 backends
+stay small and are tested by one contract suite.
+
+Keys are '/'-separated strings relative to the store's root (the run's URI).
+They stay ``str`` rather than ``Path`` because ``Path`` folds the double slash
+of ``s3://`` and would change a key's meaning between backends.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import os
+import tempfile
+import urllib.parse
+
+
+class StoreError(Exception):
+    """A storage operation failed; the message names the object and what to do."""
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist in the store."""
+
+
+class ObjectExists(StoreError):
+    """A put with ``if_absent=True`` found the key already there (HTTP 412 on S3)."""
+
+
+class UnsupportedURI(StoreError, ValueError):
+    """The checkpoint URI's scheme has no backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the store root), size in bytes and
+    last-modified time (seconds since the epoch, the store's clock)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class ObjectStore(abc.ABC):
+    """Immutable-blob storage rooted at one URI (a run's checkpoint location).
+
+    Edge cases every implementation honours (the contract suite checks them):
+    - ``put`` is atomic: a reader sees the whole object or nothing, never a prefix.
+    - ``put(..., if_absent=True)`` creates the key only if no object is there and
+      raises :class:`ObjectExists` otherwise; of two racing writers exactly one wins.
+    - ``get`` of a missing key raises :class:`ObjectNotFound`.
+    - ``list`` returns objects whose key starts with ``prefix`` (a plain string
+      prefix, not a directory), sorted by key; an empty list if none.
+    - ``delete`` of a missing key is not an error (deletes are retried).
+    Transient faults are retried inside the implementation; what escapes is a
+    :class:`StoreError` whose message names the key.
+    """
+
+    #: The URI this store is rooted at, as given by the user (for messages).
+    uri: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        """Write ``data`` at ``key`` atomically."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object at ``key``."""
+
+    def get_verified(self, key: str, *, size: int, sha256: str) -> bytes:
+        """Return the object at ``key`` after checking its size and sha256.
+
+        Backends that stream may override this to hash while downloading; the
+        default hashes after :meth:`get`. Raises :class:`BlobMismatch`.
+        """
+        data = self.get(key)
+        check_blob(key, data, size=size, sha256=sha256)
+        return data
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """List objects under ``prefix``, sorted by key."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is fine."""
+
+    def close(self) -> None:
+        """Release clients and pools; the default holds none."""
+
+    def join(self, key: str) -> str:
+        """The full URI of ``key``, for messages and ``ckpt`` output."""
+        return f"{self.uri.rstrip('/')}/{key}"
+
+
+class BlobMismatch(StoreError):
+    """A blob's bytes do not match the size or sha256 its manifest recorded."""
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str) -> None:
+    """Raise :class:`BlobMismatch` naming ``key`` unless ``data`` has ``size`` and ``sha256``."""
+    if len(data) != size:
+        raise BlobMismatch(f"blob {key!r} has {len(data)} bytes but its manifest records {size}")
+    actual = sha256_hex(data)
+    if actual != sha256:
+        raise BlobMismatch(f"blob {key!r} has sha256 {actual[:16]}… but its manifest records {sha256[:16]}…")
+
+
+class LocalStore(ObjectStore):
+    """``file://`` store: one file per key under a root directory.
+
+    Atomic put is write-temp + fsync + rename (+ fsync of the directory, so the
+    rename itself survives a power cut). ``if_absent`` uses ``os.link`` of the
+    temp file, which fails if the target exists: the same create-if-absent that
+    S3's ``If-None-Match: *`` gives, without a check-then-rename race.
+    """
+
+    def __init__(self, root: str, *, uri: str | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.uri = uri or f"file://{self.root}"
+
+    def _path(self, key: str) -> str:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") for p in parts):
+            raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
+        return os.path.join(self.root, *parts)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError as exc:
+                    raise ObjectExists(f"{self.join(key)} already exists") from exc
+            else:
+                os.replace(tmp, path)
+            _fsync_dir(directory)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"{self.join(key)} does not exist") from exc
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        if not os.path.isdir(self.root):
+            return out
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(".tmp-"):
+                    continue  # an in-flight or crashed put; never a visible object
+                full = os.path.join(dirpath, name)
+                key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if key.startswith(prefix):
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:
+                        continue  # deleted while listing
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        # Prune now-empty blob directories so a gc'd run leaves no litter.
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(uri: str) -> ObjectStore:
+    """Open the store for a run's URI: ``file:///abs/dir``, a plain path, or ``s3://bucket/prefix``.
+
+    Raises :class:`UnsupportedURI` naming the scheme for anything else.
+    """
+    parsed = urllib.parse.urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file"):
+        if scheme == "file" and parsed.netloc not in ("", "localhost", "."):
+            raise UnsupportedURI(
+                f"checkpoint URI {uri!r}: file URIs must be file:///absolute/path or file://./relative/path"
+            )
+        path = (parsed.netloc + parsed.path) if parsed.netloc == "." else (parsed.path if scheme else uri)
+        return LocalStore(path, uri=uri)
+    if scheme == "s3":
+        from elastic_ft.checkpoint.s3 import S3Store  # boto3 is heavy: import only when used
+
+        return S3Store.from_uri(uri)
+    raise UnsupportedURI(
+        f"checkpoint URI {uri!r} has unsupported scheme {parsed.scheme!r}; use file:///path or s3://bucket/prefix"
+    )
+
+
+def join_uri(base: str, *parts: str) -> str:
+    """Join URI parts with '/' (never ``os.path.join``: it would fold ``s3://``)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+__all__ = [
+    "BlobMismatch",
+    "LocalStore",
+    "ObjectExists",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "StoreError",
+    "UnsupportedURI",
+    "check_blob",
+    "join_uri",
+    "open_store",
+    "sha256_hex",
+]

@@ -1,0 +1,127 @@
+"""``elastic-ft``: train in this process, inspect and verify checkpoints, export.
+
+  elastic-ft train [--spec S] [--run_id R] [--checkpoint_uri U] [k=v ...]
+  elastic-ft ckpt ls URI            committed checkpoints of a run (step, time, size)
+  elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
+  elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
+  elastic-ft export URI --out DIR [--step N]
+
+URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
+
+
+def _ls(args) -> int:
+    from elastic_ft.checkpoint.reader import list_manifests, read_manifest
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(args.uri)
+    infos = list_manifests(store)
+    if not infos:
+        print(f"{args.uri}: no committed checkpoints")
+        return 0
+    print(f"{'step':>8}  {'committed (UTC)':<20} {'size':>12}  {'world':>5}  manifest")
+    for info in infos:
+        m = read_manifest(store, info.key)
+        when = datetime.datetime.fromtimestamp(m.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{m.step:>8}  {when:<20} {m.total_size:>12,}  {m.world.get('size', '?'):>5}  {info.key}")
+    return 0
+
+
+def _verify(args) -> int:
+    from elastic_ft.checkpoint.manifest import manifest_key
+    from elastic_ft.checkpoint.reader import list_manifests, read_manifest, verify
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(args.uri)
+    if args.step is not None:
+        key = manifest_key(args.step)
+    else:
+        infos = list_manifests(store)
+        if not infos:
+            print(f"{args.uri}: no committed checkpoints to verify", file=sys.stderr)
+            return 1
+        key = infos[-1].key
+    manifest = read_manifest(store, key)
+    problems = verify(store, manifest)
+    if problems:
+        print(f"checkpoint at step {manifest.step} FAILED verification ({store.join(key)}):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"checkpoint at step {manifest.step} OK: {len(manifest.blobs)} blobs, {manifest.total_size:,} bytes verified")
+    return 0
+
+
+def _gc(args) -> int:
+    from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(args.uri)
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every, orphan_grace_s=args.grace)
+    plan = collect(store, policy, time.time())
+    for line in plan.lines():
+        print(("would " if args.dry_run and line.startswith("delete") else "") + line)
+    if not args.dry_run:
+        apply_gc(store, plan)
+        print(f"deleted {len(plan.manifests)} manifest(s) and {len(plan.blobs)} blob(s)")
+    return 0
+
+
+def _export(args) -> int:
+    from elastic_ft.export import export
+
+    result = export(args.uri, args.out, step=args.step)
+    kind = "PEFT adapter" if result["lora"] else "model"
+    print(f"exported step {result['step']} as a {kind} to {result['out']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-ft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run the job in this process (torchrun runs one per rank)")
+    add_run_arguments(t)
+    t.set_defaults(func=run_from_args)
+    ck = sub.add_parser("ckpt", help="inspect a run's checkpoints").add_subparsers(dest="ckpt", required=True)
+    ls = ck.add_parser("ls", help="list committed checkpoints")
+    ls.add_argument("uri")
+    ls.set_defaults(func=_ls)
+    v = ck.add_parser("verify", help="re-hash every blob of the newest (or --step) checkpoint")
+    v.add_argument("uri")
+    v.add_argument("--step", type=int, default=None)
+    v.set_defaults(func=_verify)
+    g = ck.add_parser("gc", help="delete checkpoints past retention and orphan blobs")
+    g.add_argument("uri")
+    g.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    g.add_argument("--keep-last", type=int, default=3)
+    g.add_argument("--keep-every", type=int, default=None)
+    g.add_argument("--grace", type=float, default=3600.0, help="seconds before an orphan blob may be deleted")
+    g.set_defaults(func=_gc)
+    e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
+    e.add_argument("uri")
+    e.add_argument("--out", required=True)
+    e.add_argument("--step", type=int, default=None)
+    e.set_defaults(func=_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"elastic-ft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

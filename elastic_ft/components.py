@@ -1,0 +1,133 @@
+"""torchx components: ``torchx run -s local_cwd elastic_ft.train [...]``.
+
+The component builds an AppDef whose role runs ``torchrun`` on every node;
+torchrun starts one ``elastic_ft.worker`` per process and restarts them on
+failure, and the rendezvous (c10d, or etcd3 for spot fleets) lets nodes join
+and leave between the min and max node counts.
+"""
+
+
+import re
+import shlex
+from typing import Dict, Optional
+
+import torchx
+import torchx.specs as specs
+from torchx.specs import macros
+
+_NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
+
+
+def parse_nnodes(nnodes: str) -> "tuple[int, int]":
+    """``"N"`` or ``"MIN:MAX"`` as (min, max); ValueError naming the argument otherwise."""
+    m = _NNODES.match(nnodes.strip())
+    if not m:
+        raise ValueError(f"--nnodes {nnodes!r} must be N or MIN:MAX, e.g. 2 or 2:8")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--nnodes {nnodes!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def train(
+    *overrides: str,
+    nnodes: str = "1",
+    nproc_per_node: int = 2,
+    spec: str = "specs/tiny-lora.yaml",
+    run_id: Optional[str] = None,
+    checkpoint_uri: str = "file://./runs",
+    rdzv_backend: str = "c10d",
+    rdzv_endpoint: Optional[str] = None,
+    rdzv_conf: Optional[str] = None,
+    max_restarts: int = 3,
+    replicas: Optional[int] = None,
+    image: str = torchx.IMAGE,
+    cpu: int = 2,
+    gpu: int = 0,
+    memMB: int = 8192,
+    h: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    log_dir: Optional[str] = None,
+) -> specs.AppDef:
+    """Fine-tune a Hugging Face causal LM (LoRA or full) elastically with elastic_ft.
+
+    Args:
+        overrides: job spec overrides as field.path=value, e.g. optimizer.lr=3e-4 steps=200
+        nnodes: number of nodes, N or MIN:MAX (elastic: the job goes on while at least MIN remain)
+        nproc_per_node: training processes per node (one per GPU; on CPU, a few)
+        spec: job spec YAML (model, data, LoRA, optimizer, batch, steps, checkpoint)
+        run_id: stable id of the job across restarts and resubmissions; checkpoints live under checkpoint_uri/run_id (default: the spec's name)
+        checkpoint_uri: where runs' checkpoints live: file://./runs, file:///abs/dir or s3://bucket/prefix
+        rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
+        rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
+        rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options)
+        max_restarts: times torchrun restarts failed workers before giving up
+        replicas: node agents this submission starts (default: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
+        image: container image (local_cwd: ignored, the current directory is used)
+        cpu: CPUs per node
+        gpu: GPUs per node
+        memMB: memory per node in MB
+        h: a named host type (scheduler specific), instead of cpu/gpu/memMB
+        env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
+        log_dir: directory of events.jsonl (default: the spec's logging.dir, runs/RUN_ID/logs)
+    """
+    lo, hi = parse_nnodes(nnodes)
+    if nproc_per_node < 1:
+        raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
+    if max_restarts < 0:
+        raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
+    if replicas is not None and not 1 <= replicas <= hi:
+        raise ValueError(f"--replicas {replicas} must be between 1 and the max of --nnodes ({hi})")
+    if rdzv_backend == "etcd3" and not rdzv_endpoint:
+        raise ValueError("--rdzv_backend etcd3 needs --rdzv_endpoint HOST:PORT of an etcd v3 server")
+    if not rdzv_endpoint:
+        # One node: any free port. Several: the scheduler's rank-0 host, as torchx's dist.ddp does.
+        rdzv_endpoint = "localhost:0" if hi == 1 else f"${{{macros.rank0_env}:=localhost}}:29500"
+    job_env = {
+        # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
+        # unless the agent's store is not shared with the rendezvous.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "LOGLEVEL": "WARNING",
+    }
+    job_env.update(env or {})
+
+    cmd = [
+        "torchrun",
+        "--rdzv_backend", rdzv_backend,
+        "--rdzv_endpoint", _Raw(rdzv_endpoint) if "$" in rdzv_endpoint else rdzv_endpoint,
+        "--rdzv_id", run_id or f"{macros.app_id}",
+        "--nnodes", f"{lo}:{hi}" if lo != hi else str(lo),
+        "--nproc_per_node", str(nproc_per_node),
+        "--max_restarts", str(max_restarts),
+    ]
+    if rdzv_conf:
+        cmd += ["--rdzv_conf", rdzv_conf]
+    cmd += ["-m", "elastic_ft.worker", "--spec", spec, "--checkpoint_uri", checkpoint_uri]
+    if run_id:
+        cmd += ["--run_id", run_id]
+    if log_dir:
+        cmd += ["--log_dir", log_dir]
+    cmd += list(overrides)
+    return specs.AppDef(
+        name=f"elastic-ft-{run_id}" if run_id else "elastic-ft",
+        roles=[
+            specs.Role(
+                name="trainer",
+                image=image,
+                entrypoint="bash",
+                args=["-c", " ".join(a if isinstance(a, _Raw) else shlex.quote(a) for a in cmd)],
+                num_replicas=replicas or hi,
+                min_replicas=lo,
+                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
+                env=job_env,
+                port_map={"c10d": 29500},
+                max_retries=max_restarts,
+            )
+        ],
+    )
+
+
+class _Raw(str):
+    """An argument left unquoted so bash expands it (the rank-0 host variable)."""

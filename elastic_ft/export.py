@@ -1,0 +1,53 @@
+"""Export a committed checkpoint as a Hugging Face / PEFT directory.
+
+LoRA runs give ``adapter_config.json`` + ``adapter_model.safetensors`` that
+``PeftModel.from_pretrained(base, DIR)`` loads. A base model built from an
+inline config (no hub name to point at) is rebuilt from the spec stored in the
+checkpoint, deterministic from its seed, and written to ``DIR/base`` with its
+tokenizer; the adapter's ``base_model_name_or_path`` then points there. Full
+fine-tunes export a complete model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from elastic_ft.checkpoint.manifest import manifest_key
+from elastic_ft.checkpoint.reader import load_blobs, load_newest, read_manifest
+from elastic_ft.checkpoint.store import StoreError, open_store
+from elastic_ft.config import spec_from_dict
+from elastic_ft.train import model as model_mod
+
+
+def export(uri: str, out: str, *, step: int | None = None) -> dict:
+    """Write the checkpoint at ``step`` (default: newest that verifies) of the run at ``uri`` to ``out``."""
+    store = open_store(uri)
+    try:
+        if step is None:
+            loaded, _skipped = load_newest(store, run_id=None)
+            if loaded is None:
+                raise StoreError(f"{uri} has no committed checkpoint that verifies; nothing to export")
+        else:
+            loaded = load_blobs(store, read_manifest(store, manifest_key(step)))
+    finally:
+        store.close()
+    spec = spec_from_dict(loaded.documents["spec"], source=f"spec stored in {uri}", check_files=False)
+    tokenizer, model = model_mod.build(spec)
+    model_mod.load_trainable_state(model, loaded.tensors["model"])
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    if spec.lora is None:
+        tokenizer.save_pretrained(out)
+    elif spec.model.name_or_path is None:
+        base_dir = os.path.join(os.path.abspath(out), "base")
+        base = model_mod.build_base_model(spec.model, tokenizer, spec.seed)
+        base.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+        cfg_path = os.path.join(out, "adapter_config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["base_model_name_or_path"] = base_dir
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return {"step": loaded.manifest.step, "out": out, "lora": spec.lora is not None}

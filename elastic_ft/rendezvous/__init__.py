@@ -1,0 +1,1 @@
+"""Rendezvous on etcd v3 for torch elastic: backend, store, handler factory."""

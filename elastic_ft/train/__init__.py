@@ -1,0 +1,1 @@
+"""Training: model, data cursor, batch/LR policy, the step loop."""

@@ -1,0 +1,23 @@
+"""When to commit a checkpoint (a pure function of the step and the clock)."""
+
+from __future__ import annotations
+
+from elastic_ft.config import CheckpointConfig
+
+
+def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since: float,
+                   cfg: CheckpointConfig) -> tuple[bool, str]:
+    """(due, reason) after optimizer step ``step`` has completed.
+
+    Nothing is saved twice for one step, and the final step is saved when
+    ``save_final`` is set, so a finished run resumes as finished.
+    """
+    if step <= last_step:
+        return False, "already saved at this step"
+    if step == total_steps and cfg.save_final:
+        return True, "final step"
+    if cfg.every_steps is not None and step % cfg.every_steps == 0:
+        return True, f"every {cfg.every_steps} steps"
+    if cfg.every_seconds is not None and seconds_since >= cfg.every_seconds:
+        return True, f"{seconds_since:.0f}s since the last checkpoint (every {cfg.every_seconds:g}s)"
+    return False, "not due"

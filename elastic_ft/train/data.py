@@ -1,0 +1,111 @@
+"""Training data: load texts with ``datasets``, tokenize into fixed-length samples.
+
+Every rank loads and tokenizes the whole (small to medium) dataset itself, so
+any rank can take any sample the cursor deals it: there are no shards to
+reassign when the world changes. Each sample's count of target tokens is kept,
+so the loss can be normalised by the exact global token count of a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from elastic_ft.config import DataConfig
+
+IGNORE = -100
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+class DataError(ValueError):
+    """The data section of the spec cannot be loaded."""
+
+
+@dataclasses.dataclass
+class TokenizedData:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    target_tokens: torch.Tensor
+    """Per sample: positions that contribute to the loss (after the causal shift)."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "attention_mask": self.attention_mask[idx]}
+
+
+def load_records(cfg: DataConfig):
+    """The raw ``datasets.Dataset`` of the spec's files or hub dataset."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if cfg.dataset:
+        try:
+            return datasets.load_dataset(cfg.dataset, split=cfg.split)
+        except Exception as exc:
+            raise DataError(f"data.dataset {cfg.dataset!r} (split {cfg.split!r}) could not be loaded: {exc}") from exc
+    missing = [f for f in cfg.files if not os.path.isfile(f)]
+    if missing:
+        raise DataError(f"data.files: {missing[0]!r} does not exist")
+    fmt = cfg.format or _FORMATS.get(os.path.splitext(cfg.files[0])[1].lower())
+    if fmt is None:
+        raise DataError(f"data.format: cannot infer the format of {cfg.files[0]!r}; set data.format to json, parquet or text")
+    try:
+        return datasets.load_dataset(fmt, data_files=list(cfg.files), split="train")
+    except Exception as exc:
+        raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {exc}") from exc
+
+
+def tokenize(records, cfg: DataConfig, tokenizer) -> TokenizedData:
+    """Fixed-length samples of ``cfg.max_length`` tokens from ``records``."""
+    columns = set(records.column_names)
+    needed = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
+    for field in needed:
+        if field not in columns:
+            raise DataError(f"data field {field!r} is not in the data; it has columns {sorted(columns)}")
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    prefix = [bos] if bos is not None else []
+    length = cfg.max_length
+    rows: list[tuple[list[int], list[int]]] = []  # (ids, labels) before padding
+
+    def encode(texts):
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+    if cfg.prompt_field:
+        prompts, responses = encode(records[cfg.prompt_field]), encode(records[cfg.response_field])
+        for p, r in zip(prompts, responses):
+            ids = (prefix + p + r + [eos])[:length]
+            labels = ([IGNORE] * (len(prefix) + len(p)) + r + [eos])[:length]
+            rows.append((ids, labels))
+    elif cfg.packing:
+        stream: list[int] = []
+        for ids in encode(records[cfg.text_field]):
+            stream += prefix + ids + [eos]
+        for start in range(0, len(stream) - length + 1, length):
+            block = stream[start : start + length]
+            rows.append((block, list(block)))
+    else:
+        for ids in encode(records[cfg.text_field]):
+            ids = (prefix + ids + [eos])[:length]
+            rows.append((ids, list(ids)))
+    if not rows:
+        raise DataError(f"data yields no samples of max_length {length}; add data or lower data.max_length")
+    n = len(rows)
+    input_ids = torch.full((n, length), pad, dtype=torch.long)
+    labels = torch.full((n, length), IGNORE, dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.long)
+    for i, (ids, labs) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(labs)] = torch.tensor(labs)
+        mask[i, : len(ids)] = 1
+    target_tokens = (labels[:, 1:] != IGNORE).sum(dim=1)
+    return TokenizedData(input_ids, labels, mask, target_tokens)
+
+
+def load(cfg: DataConfig, tokenizer) -> TokenizedData:
+    return tokenize(load_records(cfg), cfg, tokenizer)

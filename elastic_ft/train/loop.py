@@ -1,0 +1,325 @@
+"""The training run: resume, then steps until done, checkpointing as it goes.
+
+One process per rank (torchrun starts them). Everything persisted or decided
+is a function of the global step and cursor, never of RANK: ranks are re-dealt
+at every restart, and the world may have changed size since the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from elastic_ft import faults
+from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newest, read_manifest
+from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
+from elastic_ft.checkpoint.store import join_uri, open_store
+from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
+from elastic_ft.config import JobSpec
+from elastic_ft.events import EventLog
+from elastic_ft.train import data as data_mod
+from elastic_ft.train import model as model_mod
+from elastic_ft.train.cadence import checkpoint_due
+from elastic_ft.train.cursor import deal, take
+from elastic_ft.train.resume import ResumePlan, plan_resume
+from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
+
+log = logging.getLogger(__name__)
+
+
+class RunAborted(RuntimeError):
+    """Raised on every rank when one rank hit an error that all must stop for."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunOptions:
+    run_id: str
+    checkpoint_uri: str
+    log_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def init_world() -> World:
+    """Join the process group when launched by torchrun; a single process otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Several ranks share this host's cores: oversubscribed threads make every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, local_rank, local_size, device)
+
+
+def broadcast_from_leader(world: World, value):
+    """``value`` as the leader has it, on every rank (a Python object through the process group)."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state keyed by parameter *name* (stable across restarts)."""
+    out = {}
+    for param, state in optimizer.state.items():
+        for k, v in state.items():
+            out[f"{names[param]}::{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict, tensors: dict) -> None:
+    for key, value in tensors.items():
+        name, _, field = key.rpartition("::")
+        if name not in params:
+            raise ValueError(f"checkpoint optimizer state names parameter {name!r}, which this model does not train")
+        optimizer.state[params[name]][field] = value.to(params[name].device)
+
+
+class Trainer:
+    """State of one training process; :meth:`run` is the whole job."""
+
+    def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
+        self.spec, self.opts, self.world = spec, opts, world
+        self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
+        self.events = EventLog(
+            os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
+        )
+        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id))
+        self.tokenizer, self.model = model_mod.build(spec)
+        self.model.to(world.device)
+        self.data = data_mod.load(spec.data, self.tokenizer)
+        self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
+        self.trainable = model_mod.trainable_state(self.model)
+        self.param_names = {p: n for n, p in self.trainable.items()}
+        o = spec.optimizer
+        self.optimizer = torch.optim.AdamW(
+            list(self.trainable.values()), lr=self.plan.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.ddp = None
+        if world.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(
+                self.model, device_ids=[world.device.index] if world.device.type == "cuda" else None
+            )
+        self.step = 0
+        self.cursor = 0
+        self.writer = CheckpointWriter(self.store, opts.run_id) if world.is_leader else None
+        self.last_ckpt_step = 0
+        self.last_ckpt_time = time.monotonic()
+        self.last_loss: float | None = None
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self) -> ResumePlan:
+        """Load the newest verified checkpoint the leader chooses; every rank loads the same one."""
+        decision = None
+        if self.world.is_leader:
+            try:
+                loaded, skipped = load_newest(self.store, self.opts.run_id)
+                decision = ("ok", loaded.manifest.key if loaded else None, skipped)
+            except Exception as exc:  # foreign manifest, dead store: every rank must stop, not hang
+                decision = ("error", f"{type(exc).__name__}: {exc}", [])
+        status, key, skipped = broadcast_from_leader(self.world, decision)
+        if status == "error":
+            raise RunAborted(f"cannot resume run {self.opts.run_id!r}: {key}")
+        loaded: LoadedCheckpoint | None = None
+        if key is not None:
+            loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
+            model_mod.load_trainable_state(self.model, loaded.tensors["model"])
+            load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
+            self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
+            self.last_ckpt_step = self.step
+        plan = plan_resume(
+            loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self.spec.hash(),
+            total_steps=self.total_steps,
+        )
+        self.events.emit("resume_plan", **plan.event())
+        if plan.rescale is not None:
+            self.events.emit("rescale", **plan.rescale)
+        return plan
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self) -> dict:
+        w, plan, spec = self.world, self.plan, self.spec
+        positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
+        indices = [i for _, i in positions]
+        my_positions = deal(positions, plan.per_rank)[w.rank]
+        mine = [i for _, i in my_positions]
+        global_tokens = int(self.data.target_tokens[indices].sum())
+        lr = lr_at(self.step, self.total_steps, plan.lr, spec.optimizer)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Dropout masks come from a stream reseeded per (seed, step, rank): no RNG
+        # state has to survive a restart, and a resumed step repeats itself.
+        torch.manual_seed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank)
+        # DDP averages gradients over ranks; scaling the summed token loss by
+        # world/global_tokens makes the result sum(loss)/global_tokens: the same
+        # gradient however the batch was split.
+        scale = w.size / max(1, global_tokens)
+        chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
+        net = self.ddp or self.model
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for j, chunk in enumerate(chunks):
+            last = j == len(chunks) - 1
+            # One synchronised backward per step on every rank, however many micro-batches it has.
+            sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
+            batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
+            with sync:
+                logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                ce = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                    ignore_index=data_mod.IGNORE, reduction="sum",
+                )
+                (ce * scale).backward()
+            loss_sum += ce.detach().double().cpu()
+        if spec.optimizer.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), spec.optimizer.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if w.distributed:
+            dist.all_reduce(loss_sum)  # token-weighted: a sum of sums, not a mean of means
+        consumed = None
+        if spec.logging.ledger:
+            # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
+            consumed = [my_positions]
+            if w.distributed:
+                consumed = [None] * w.size
+                dist.all_gather_object(consumed, my_positions)
+        self.step += 1
+        self.cursor += plan.global_batch
+        loss = float(loss_sum) / max(1, global_tokens)
+        self.last_loss = loss
+        return {"loss": loss, "lr": lr, "tokens": global_tokens, "consumed": consumed}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, reason: str) -> None:
+        """Commit a checkpoint of the current step (leader only; replicas are identical)."""
+        if not self.world.is_leader:
+            return
+        t0 = time.monotonic()
+        snap = snapshot(
+            self.step, self.cursor,
+            {"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)},
+            documents={
+                "trainer": {"step": self.step, "cursor": self.cursor, "total_steps": self.total_steps},
+                "spec": self.spec.to_dict(),
+            },
+            config_hash=self.spec.hash(),
+            world={"size": self.world.size, "host": socket.gethostname()},
+            rng={"scheme": "reseed(seed, step, rank) before each step", "seed": self.spec.seed},
+            scheduler={"name": self.spec.optimizer.schedule, "step": self.step, "total_steps": self.total_steps,
+                       "peak_lr": self.plan.lr},
+            batch_plan=self.plan.to_dict(),
+        )
+        blocked = time.monotonic() - t0
+        manifest = self.writer.commit(snap)
+        self.events.emit(
+            "checkpoint_committed", step=self.step, key=self.store.join(manifest.key), bytes=manifest.total_size,
+            blocked_s=round(blocked, 4), seconds=round(time.monotonic() - t0, 4), reason=reason,
+        )
+        keep = self.spec.checkpoint.keep_last
+        if keep is not None:
+            plan = collect(self.store, RetentionPolicy(keep_last=keep), time.time(), run_id=self.opts.run_id)
+            apply_gc(self.store, plan)
+        self.last_ckpt_step, self.last_ckpt_time = self.step, time.monotonic()
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict:
+        w = self.world
+        self.events.emit(
+            "start", world=w.size, total_steps=self.total_steps, dataset_size=len(self.data),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
+            config_hash=self.spec.hash(), batch_plan=self.plan.to_dict(),
+        )
+        self.resume()
+        injector = faults.Injector.from_env()
+        start_step, t_start = self.step, time.monotonic()
+        while self.step < self.total_steps:
+            injector.maybe_fire(rank=w.rank, step=self.step)
+            t0 = time.monotonic()
+            out = self.train_step()
+            dt = time.monotonic() - t0
+            if out["consumed"] is not None:
+                self.events.emit("ledger", quiet=True, step=self.step - 1, samples=out["consumed"])
+            done = self.step - start_step
+            eta = (time.monotonic() - t_start) / done * (self.total_steps - self.step)
+            self.events.emit(
+                "step", quiet=True, step=self.step, loss=round(out["loss"], 6), lr=out["lr"],
+                tokens=out["tokens"], tokens_per_s=round(out["tokens"] / dt, 1), world=w.size,
+                eta_s=round(eta, 1),
+            )
+            if w.is_leader and (self.step % self.spec.logging.every_steps == 0 or self.step == self.total_steps):
+                log.info(
+                    "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", self.step,
+                    self.total_steps, out["loss"], out["lr"], f"{out['tokens'] / dt:,.0f}", w.size,
+                    _fmt_eta(eta),
+                )
+            due, why = checkpoint_due(
+                step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
+                seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
+            )
+            if due:
+                self.save(why)
+        summary = {"step": self.step, "final_loss": self.last_loss, "seconds": round(time.monotonic() - t_start, 2)}
+        self.events.emit("end", **summary)
+        return summary
+
+    def close(self) -> None:
+        self.events.close()
+        self.store.close()
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def run(spec: JobSpec, opts: RunOptions) -> dict:
+    """Run the job in this process (one rank of it under torchrun)."""
+    world = init_world()
+    trainer = Trainer(spec, opts, world)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        if world.distributed:
+            dist.destroy_process_group()

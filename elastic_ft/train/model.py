@@ -1,0 +1,106 @@
+"""The model and tokenizer: from a local directory or hub name, or built from an
+inline config (tiny test models), then wrapped with LoRA by peft.
+
+No weights are downloaded for the default job: an inline config is initialised
+from the spec's seed, and its tokenizer is a byte-level one built in code, so
+the same spec gives the same base model on every machine, and export can
+rebuild the base model from the spec alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_ft.config import JobSpec, ModelConfig
+
+_SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: 256 byte tokens + pad/bos/eos, no training, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(_SPECIALS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def build_tokenizer(cfg: ModelConfig):
+    source = cfg.tokenizer or cfg.name_or_path
+    if source is None:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_base_model(cfg: ModelConfig, tokenizer, seed: int):
+    """The base causal LM, deterministic for an inline config and ``seed``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.name_or_path is not None:
+        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)
+    inline = dict(cfg.config or {})
+    model_type = inline.pop("model_type")
+    inline.setdefault("vocab_size", len(tokenizer))
+    for name in ("pad", "bos", "eos"):
+        inline.setdefault(f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
+    config = AutoConfig.for_model(model_type, **inline)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype)
+
+
+def apply_lora(model, spec: JobSpec):
+    """Wrap ``model`` with LoRA adapters (or leave it whole for a full fine-tune)."""
+    if spec.lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules), task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        # LoRA A matrices are random: seed them so every rank and every restart
+        # starts from the same adapter (the checkpoint overwrites them on resume).
+        torch.manual_seed(spec.seed + 1)
+        return get_peft_model(model, lora)
+
+
+def build(spec: JobSpec):
+    """(tokenizer, model ready to train) for ``spec``."""
+    tokenizer = build_tokenizer(spec.model)
+    model = apply_lora(build_base_model(spec.model, tokenizer, spec.seed), spec)
+    return tokenizer, model
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The parameters being trained, by name: LoRA weights, or everything for a full fine-tune."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable weights back in; names must match exactly (a foreign checkpoint fails here)."""
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.requires_grad}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint weights do not match this model: {len(missing)} missing (e.g. {sorted(missing)[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]}); was it written with another "
+            f"model or LoRA config?"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)

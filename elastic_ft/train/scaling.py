@@ -1,0 +1,116 @@
+"""Batch and learning-rate policy for the world at hand (pure functions).
+
+``constant_global`` (default): the global batch is fixed; each rank's share
+and its micro-batch count are recomputed for the current world (uneven splits
+allowed), and the loss is normalised by the global target-token count, so the
+gradient does not depend on the split and the LR stays as stated.
+
+``scale_with_world``: the per-rank batch is fixed at
+``global_batch / reference_world``; the global batch follows the world, and
+the LR is rescaled against the reference world by the ``linear`` rule
+(``lr * w / ref``) or the ``sqrt`` rule (``lr * sqrt(w / ref)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from elastic_ft.config import BatchConfig, OptimizerConfig
+
+
+class BatchPlanError(ValueError):
+    """The batch settings cannot be met by the current world."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    world: int
+    global_batch: int
+    per_rank: tuple[int, ...]
+    """Samples each rank processes per step (sums to ``global_batch``)."""
+    micro_batch: int
+    micro_steps: tuple[int, ...]
+    """Forward/backward passes each rank makes per step (gradient accumulation)."""
+    lr: float
+    """Peak LR for this world."""
+    policy: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def split_evenly(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` split into ``parts`` integers differing by at most one, larger first."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))
+
+
+def plan_batch(batch: BatchConfig, lr: float, world: int) -> BatchPlan:
+    """The batch plan for ``world`` ranks; raises :class:`BatchPlanError` naming the field."""
+    if world < 1:
+        raise BatchPlanError(f"world size must be at least 1, got {world}")
+    if batch.policy == "constant_global":
+        if batch.global_batch < world:
+            raise BatchPlanError(
+                f"batch.global_batch ({batch.global_batch}) is smaller than the world size ({world}): "
+                f"every rank needs at least one sample per step; raise batch.global_batch to at least {world} "
+                f"or run with fewer processes"
+            )
+        global_batch, peak = batch.global_batch, lr
+        reason = f"constant_global: {global_batch} samples per step over {world} rank(s), lr unchanged"
+    elif batch.policy == "scale_with_world":
+        per_rank = batch.global_batch // batch.reference_world
+        global_batch = per_rank * world
+        ratio = world / batch.reference_world
+        factor = ratio if batch.lr_scaling == "linear" else math.sqrt(ratio)
+        peak = lr * factor
+        reason = (
+            f"scale_with_world: {per_rank} samples per rank x {world} rank(s); "
+            f"lr x{factor:.4g} ({batch.lr_scaling} rule, reference world {batch.reference_world})"
+        )
+    else:  # pragma: no cover - config validation rejects other values
+        raise BatchPlanError(f"batch.policy {batch.policy!r} is not supported")
+    per = split_evenly(global_batch, world)
+    micro = tuple(math.ceil(n / batch.micro_batch) for n in per)
+    return BatchPlan(world, global_batch, per, batch.micro_batch, micro, peak, batch.policy, reason)
+
+
+def rescale_event(old: dict | None, new: BatchPlan) -> dict | None:
+    """The ``rescale`` event fields when the plan changed since ``old`` (a saved plan), else None."""
+    if old is None:
+        return None
+    keys = ("world", "global_batch", "per_rank", "micro_steps", "lr")
+    new_d = new.to_dict()
+    changed = {k: {"old": old.get(k), "new": new_d[k]} for k in keys
+               if _norm(old.get(k)) != _norm(new_d[k])}
+    if not changed:
+        return None
+    return {"policy": new.policy, "reason": new.reason, "changed": changed}
+
+
+def _norm(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def lr_at(step: int, total_steps: int, peak: float, opt: OptimizerConfig) -> float:
+    """LR for optimizer step ``step`` (0-based): linear warm-up, then the decay schedule."""
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return peak * (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return peak
+    span = max(1, total_steps - opt.warmup_steps)
+    progress = min(1.0, max(0.0, (step - opt.warmup_steps) / span))
+    floor = peak * opt.min_lr_ratio
+    if opt.schedule == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_steps(steps: int | None, epochs: float | None, dataset_size: int, global_batch: int) -> int:
+    """Steps of the run: ``steps`` as given, or enough global batches to cover ``epochs``."""
+    if steps is not None:
+        return steps
+    assert epochs is not None
+    return max(1, math.ceil(epochs * dataset_size / global_batch))

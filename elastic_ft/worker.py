@@ -1,0 +1,61 @@
+"""The process torchrun starts on every rank: ``python -m elastic_ft.worker``.
+
+Parse, build, run, close. Errors a user can fix (spec, URI, data, foreign
+checkpoint) end the process with one clear line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from elastic_ft.checkpoint.manifest import ManifestError
+from elastic_ft.checkpoint.store import StoreError
+from elastic_ft.config import ConfigError, load_spec
+from elastic_ft.train.data import DataError
+from elastic_ft.train.scaling import BatchPlanError
+
+USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="specs/tiny-lora.yaml", help="job spec YAML")
+    p.add_argument("--run_id", "--run-id", default=None,
+                   help="stable id of the job across restarts (default: the spec's name)")
+    p.add_argument("--checkpoint_uri", "--checkpoint-uri", default="file://./runs",
+                   help="where run directories live: file:///abs/dir, file://./rel/dir or s3://bucket/prefix")
+    p.add_argument("--log_dir", "--log-dir", default=None, help="events.jsonl directory (default: the spec's logging.dir)")
+    p.add_argument("overrides", nargs="*", help="spec overrides, e.g. optimizer.lr=3e-4 steps=200")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from elastic_ft.train.loop import RunAborted, RunOptions, run
+
+    logging.basicConfig(
+        level=os.environ.get("ELASTIC_FT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s",
+    )
+    # Libraries' chatter (peft/transformers warnings) would drown the progress lines.
+    for noisy in ("transformers", "peft", "datasets", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        spec = load_spec(args.spec, args.overrides)
+        run_id = args.run_id or spec.name
+        log_dir = args.log_dir or spec.logging.dir.format(run_id=run_id)
+        run(spec, RunOptions(run_id=run_id, checkpoint_uri=args.checkpoint_uri, log_dir=log_dir))
+    except USER_ERRORS + (RunAborted,) as exc:
+        print(f"elastic_ft: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic_ft.worker", description=__doc__)
+    add_run_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
