@@ -124,6 +124,26 @@ class CheckpointWriter:
             ) from None
 
 
+QUARANTINE_PREFIX = "quarantine/"
+
+
+def retire(store: ObjectStore, manifest_key_: str, reason: str) -> str:
+    """Move a manifest that failed verification out of ``manifests/`` into ``quarantine/``.
+
+    Resume has rolled the run back past it, so the step will be trained and
+    committed again; its old manifest would block that commit (one key per step
+    is what makes racing writers conflict). The copy keeps it for inspection,
+    with the reason; its blobs become orphans that gc collects after the grace.
+    """
+    data = store.get(manifest_key_)
+    name = manifest_key_.rsplit("/", 1)[-1]
+    target = f"{QUARANTINE_PREFIX}{name.removesuffix('.json')}-{uuid.uuid4().hex[:8]}.json"
+    record = {"retired": time.time(), "reason": reason, "manifest": json.loads(data)}
+    store.put(target, json.dumps(record, indent=1).encode(), if_absent=True)
+    store.delete(manifest_key_)
+    return target
+
+
 class AsyncCheckpointer:
     """Commits snapshots on one background thread; training blocks only for the snapshot.
 

@@ -23,7 +23,7 @@ from elastic_ft import faults
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
-from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
+from elastic_ft.checkpoint.writer import CheckpointWriter, retire, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
 from elastic_ft.train import data as data_mod
@@ -150,6 +150,8 @@ class Trainer:
         if self.world.is_leader:
             try:
                 loaded, skipped = load_newest(self.store, self.opts.run_id)
+                for s in skipped:
+                    retire(self.store, s.key, s.reason)
                 decision = ("ok", loaded.manifest.key if loaded else None, skipped)
             except Exception as exc:  # foreign manifest, dead store: every rank must stop, not hang
                 decision = ("error", f"{type(exc).__name__}: {exc}", [])

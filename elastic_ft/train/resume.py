@@ -40,14 +40,15 @@ def plan_resume(manifest: Manifest | None, skipped: list[Skipped], *, plan: Batc
     if manifest is None:
         why = "no committed checkpoint: starting from step 0"
         if skipped:
-            why = f"every committed checkpoint failed verification ({len(skipped)} skipped): starting from step 0"
+            why = (f"every committed checkpoint failed verification ({len(skipped)} retired to quarantine/): "
+                   f"starting from step 0")
         return ResumePlan(0, 0, None, skipped, None, False, False, why)
     changed = manifest.config_hash != config_hash
     rescale = rescale_event(manifest.batch_plan or None, plan)
     finished = manifest.step >= total_steps
     why = f"resuming from step {manifest.step} (cursor {manifest.cursor}) saved at world {manifest.world.get('size')}"
     if skipped:
-        why += f", after skipping {len(skipped)} newer unusable checkpoint(s)"
+        why += f", after retiring {len(skipped)} newer unusable checkpoint(s) to quarantine/"
     if changed:
         why += "; the spec's training settings changed since that checkpoint"
     if finished:

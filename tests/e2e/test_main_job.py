@@ -1,0 +1,76 @@
+"""The default main job, exactly as the README runs it, through torchx local_cwd;
+then the CLI's ckpt ls/verify and export, and the exported adapter loaded with peft."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elastic_ft.events import read_events
+from tests.conftest import BIN, cli, explain, run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("main")
+    logs = root / "logs"
+    proc = run(
+        [os.path.join(BIN, "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={root / 'torchx'}",
+         "elastic_ft.train", "--run_id", "main", "--checkpoint_uri", f"file://{root}/runs", "--log_dir", str(logs)],
+        timeout=600,
+    )
+    assert proc.returncode == 0, explain(proc)
+    return root, read_events(str(logs / "events.jsonl"))
+
+
+def test_default_job_completes_with_two_ranks_and_learns(main_job):
+    _root, events = main_job
+    start = next(e for e in events if e["event"] == "start")
+    assert start["world"] == 2 and start["total_steps"] == 100
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 101))
+    first, last = steps[0]["loss"], steps[-1]["loss"]
+    assert last < first - 0.5, f"loss went from {first} to {last}: the fine-tune did not learn"
+    committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    assert committed == [20, 40, 60, 80, 100]
+    assert events[-1]["event"] == "end" and events[-1]["step"] == 100
+
+
+def test_ckpt_ls_and_verify(main_job):
+    root, _ = main_job
+    uri = f"file://{root}/runs/main"
+    ls = cli("ckpt", "ls", uri)
+    assert ls.returncode == 0, explain(ls)
+    listed = [line.split()[0] for line in ls.stdout.splitlines()[1:]]
+    assert listed == ["60", "80", "100"], ls.stdout  # keep_last: 3
+    verify = cli("ckpt", "verify", uri)
+    assert verify.returncode == 0, explain(verify)
+    assert "step 100 OK" in verify.stdout
+
+
+def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, _ = main_job
+    out = tmp_path / "adapter"
+    proc = cli("export", f"file://{root}/runs/main", "--out", str(out))
+    assert proc.returncode == 0, explain(proc)
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    base = AutoModelForCausalLM.from_pretrained(str(out / "base"))
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "base"))
+    model = PeftModel.from_pretrained(base, str(out))
+    lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert lora_b, "no LoRA B matrices in the loaded adapter"
+    assert all(p.abs().sum() > 0 for p in lora_b.values()), "a LoRA B matrix is still zero: not trained"
+    # The loaded adapter changes the model's output: it is wired in, not just present.
+    ids = tokenizer("What is 12 plus 30?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        tuned = model(input_ids=ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+    assert not torch.allclose(tuned, plain)
