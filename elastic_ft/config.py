@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from typing import Any, Literal, Union
@@ -118,8 +119,16 @@ class CheckpointConfig:
     """Commit a checkpoint when this long has passed since the last one (null: never by time)."""
     keep_last: int | None = 3
     """Committed checkpoints to keep (null: keep all)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (null: none extra)."""
+    orphan_grace_s: float = 3600.0
+    """Blobs no manifest references are deleted once older than this (a save in flight is younger)."""
     save_final: bool = True
     """Commit a checkpoint at the last step."""
+    async_save: bool = True
+    """Upload in the background (training blocks only for the copy to host memory)."""
+    if_busy: Literal["wait", "skip"] = "wait"
+    """When a save is due while the previous one is still uploading: wait for it, or skip this one."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -269,6 +278,9 @@ def _build(cls, raw: Any, path: str, problems: list[tuple[str, str]]):
         return None
 
 
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 def _convert(tp, value, path: str, problems) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -311,6 +323,9 @@ def _convert(tp, value, path: str, problems) -> tuple[bool, Any]:
             return True, value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        # PyYAML follows YAML 1.1, which reads 1e-4 (no dot) as a string; accept it as a number.
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return True, float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -367,6 +382,8 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(c.every_seconds is None or c.every_seconds > 0, "checkpoint.every_seconds",
          f"must be positive or null, got {c.every_seconds}")
     need(c.keep_last is None or c.keep_last > 0, "checkpoint.keep_last", f"must be positive or null, got {c.keep_last}")
+    need(c.keep_every is None or c.keep_every > 0, "checkpoint.keep_every", f"must be positive or null, got {c.keep_every}")
+    need(c.orphan_grace_s >= 0, "checkpoint.orphan_grace_s", f"must be >= 0, got {c.orphan_grace_s}")
     need(spec.logging.every_steps > 0, "logging.every_steps", f"must be positive, got {spec.logging.every_steps}")
     need(bool(spec.name) and "/" not in spec.name, "name", f"must be a non-empty name without '/', got {spec.name!r}")
     for i, f in enumerate(d.files if check_files else ()):

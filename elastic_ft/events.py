@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ class EventLog:
         self.path = path
         self.common = common
         self._file = None
+        self._lock = threading.Lock()  # the checkpoint thread emits too
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             # Line-buffered append: a killed process loses at most the line in flight.
@@ -31,8 +33,9 @@ class EventLog:
     def emit(self, event: str, *, quiet: bool = False, **fields: Any) -> dict:
         record = {"ts": round(time.time(), 3), "event": event, **self.common, **fields}
         line = json.dumps(record, sort_keys=False, default=str)
-        if self._file is not None:
-            self._file.write(line + "\n")
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
         if not quiet:
             # Other ranks' events duplicate the leader's: keep them for debugging only.
             log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", line)

@@ -29,12 +29,16 @@ def parse(text: str) -> list[Fault]:
         action, _, rest = item.partition(":")
         if action != "kill":
             raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: kill")
-        fields = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
+        fields = dict(p for p in pairs if len(p) == 2)
         unknown = set(fields) - {"rank", "step", "restart"}
-        if unknown or "step" not in fields:
+        if unknown or "step" not in fields or len(fields) != len(pairs):
             raise ValueError(f"{ENV}: {item!r} needs step=N and accepts only rank, step, restart")
-        get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
-        faults.append(Fault(action, get("rank"), int(fields["step"]), get("restart")))
+        try:
+            get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
+            faults.append(Fault(action, get("rank"), int(fields["step"]), get("restart")))
+        except ValueError as exc:
+            raise ValueError(f"{ENV}: {item!r} has a value that is not an integer") from exc
     return faults
 
 

@@ -54,10 +54,11 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     documents: dict[str, Any] = {}
     for name, ref in sorted(manifest.blobs.items()):
         data = store.get_verified(ref.key, size=ref.size, sha256=ref.sha256)
+        group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
         if ref.key.endswith(".safetensors"):
-            tensors[name] = load_safetensors(data)
+            tensors.setdefault(group, {}).update(load_safetensors(data))
         else:
-            documents[name] = json.loads(data)
+            documents[group] = json.loads(data)
     return LoadedCheckpoint(manifest, tensors, documents)
 
 

@@ -57,7 +57,8 @@ def plan_gc(
     always kept, and no blob referenced by a kept manifest is ever deleted.
     """
     steps = sorted(manifests)
-    keep: set[int] = set(steps if policy.keep_last is None else steps[-policy.keep_last :])
+    # Not steps[-keep_last:]: with keep_last=0 that slice is the whole list (keep all).
+    keep: set[int] = set(steps if policy.keep_last is None else steps[max(0, len(steps) - policy.keep_last) :])
     if steps:
         keep.add(steps[-1])
     if policy.keep_every:

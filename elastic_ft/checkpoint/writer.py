@@ -6,9 +6,10 @@ is written last with create-if-absent. Until it lands the checkpoint does not
 exist, so a crash at any point leaves at worst orphan blobs for gc.
 
 Saving is split in two so training blocks only for the first half:
-:func:`snapshot` copies state to host memory at a step boundary;
-:meth:`CheckpointWriter.commit` serialises, uploads and commits, and may run
-on a background thread (:class:`AsyncCheckpointer`).
+:func:`snapshot` copies state to host memory at a step boundary; the upload
+and commit run on a background thread (:mod:`elastic_ft.checkpoint.saver`),
+spread over the ranks: each uploads one shard (:meth:`CheckpointWriter.upload_part`)
+and the leader commits once every part is in.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -70,6 +70,29 @@ def new_writer_token() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+def new_nonce() -> str:
+    """Makes a save's blob keys fresh, so a retried or concurrent save never overwrites one."""
+    return uuid.uuid4().hex[:8]
+
+
+def shard_tensors(tensors: dict[str, dict[str, torch.Tensor]], parts: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each group's tensors dealt into ``parts`` shards of about equal bytes.
+
+    Greedy largest-first into the lightest shard, ties broken by name: the same
+    input gives the same shards in every process.
+    """
+    out = {}
+    for group, named in tensors.items():
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(parts)]
+        load = [0] * parts
+        for name, t in sorted(named.items(), key=lambda kv: (-kv[1].numel() * kv[1].element_size(), kv[0])):
+            i = min(range(parts), key=lambda j: (load[j], j))
+            shards[i][name] = t
+            load[i] += t.numel() * t.element_size()
+        out[group] = shards
+    return out
+
+
 class CheckpointWriter:
     """Uploads snapshots and commits manifests for one run."""
 
@@ -79,25 +102,44 @@ class CheckpointWriter:
         self.writer_token = writer_token or new_writer_token()
 
     def commit(self, snap: Snapshot, *, before_manifest: Callable[[], None] | None = None) -> Manifest:
-        """Upload every blob of ``snap``, then commit its manifest; returns the manifest.
+        """Upload every blob of ``snap`` from this process, then commit its manifest.
 
         ``before_manifest`` is a hook between the blobs and the commit (tests use it
         to tear a save). Raises :class:`CheckpointConflict` if another writer holds
         this step, and the store's errors for anything else.
         """
-        prefix = f"{BLOB_PREFIX}{snap.step:012d}-{uuid.uuid4().hex[:8]}/"
-        blobs: dict[str, BlobRef] = {}
-        for name, group in snap.tensors.items():
-            blobs[name] = self._put_blob(prefix + f"{name}.safetensors", save_safetensors(group))
-        for name, doc in snap.documents.items():
-            data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-            blobs[name] = self._put_blob(prefix + f"{name}.json", data)
+        nonce = new_nonce()
+        blobs = self.upload_part(snap, nonce, part=0, parts=1)
         if before_manifest is not None:
             before_manifest()
+        return self.commit_manifest(snap, blobs)
+
+    def upload_part(self, snap: Snapshot, nonce: str, *, part: int, parts: int) -> dict[str, BlobRef]:
+        """Upload this process's share of ``snap``: tensor shard ``part`` of ``parts``.
+
+        Replicas hold identical state, so the shares are a pure function of the
+        tensors (byte-balanced by name), not of who uploads them; part 0 also
+        carries the JSON documents. All parts together are the checkpoint.
+        """
+        prefix = f"{BLOB_PREFIX}{snap.step:012d}-{nonce}/"
+        blobs: dict[str, BlobRef] = {}
+        for group, shards in shard_tensors(snap.tensors, parts).items():
+            if shards[part]:
+                name = group if parts == 1 else f"{group}/{part:05d}-of-{parts:05d}"
+                key = prefix + name.replace("/", "-") + ".safetensors"
+                blobs[name] = self._put_blob(key, save_safetensors(shards[part]))
+        if part == 0:
+            for name, doc in snap.documents.items():
+                data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+                blobs[name] = self._put_blob(prefix + f"{name}.json", data)
+        return blobs
+
+    def commit_manifest(self, snap: Snapshot, blobs: dict[str, BlobRef]) -> Manifest:
+        """Write the manifest naming ``blobs`` (all uploaded): the checkpoint now exists."""
         manifest = Manifest(
             run_id=self.run_id, step=snap.step, cursor=snap.cursor, created=time.time(),
-            writer=self.writer_token, config_hash=snap.config_hash, blobs=blobs, world=snap.world,
-            rng=snap.rng, scheduler=snap.scheduler, batch_plan=snap.batch_plan,
+            writer=self.writer_token, config_hash=snap.config_hash, blobs=dict(sorted(blobs.items())),
+            world=snap.world, rng=snap.rng, scheduler=snap.scheduler, batch_plan=snap.batch_plan,
         )
         self._commit_manifest(manifest)
         return manifest
@@ -142,51 +184,3 @@ def retire(store: ObjectStore, manifest_key_: str, reason: str) -> str:
     store.put(target, json.dumps(record, indent=1).encode(), if_absent=True)
     store.delete(manifest_key_)
     return target
-
-
-class AsyncCheckpointer:
-    """Commits snapshots on one background thread; training blocks only for the snapshot.
-
-    At most one save is in flight: a new :meth:`submit` first waits for the
-    previous one. A failed save is logged and reported through ``on_error``
-    without killing training; :meth:`flush` waits until the newest save is
-    durable and re-raises its failure.
-    """
-
-    def __init__(self, writer: CheckpointWriter, *, on_commit: Callable[[Manifest], None] | None = None,
-                 on_error: Callable[[Snapshot, BaseException], None] | None = None) -> None:
-        self.writer = writer
-        self.on_commit = on_commit
-        self.on_error = on_error
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def submit(self, snap: Snapshot) -> None:
-        self.wait()
-        self._error = None
-        self._thread = threading.Thread(target=self._run, args=(snap,), name=f"ckpt-{snap.step}", daemon=True)
-        self._thread.start()
-
-    def _run(self, snap: Snapshot) -> None:
-        try:
-            manifest = self.writer.commit(snap)
-        except BaseException as exc:  # reported, never raised on the training thread
-            self._error = exc
-            log.error("checkpoint of step %d failed: %s", snap.step, exc)
-            if self.on_error is not None:
-                self.on_error(snap, exc)
-            return
-        if self.on_commit is not None:
-            self.on_commit(manifest)
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def flush(self) -> None:
-        """Block until the newest save is committed; raise if it failed."""
-        self.wait()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err

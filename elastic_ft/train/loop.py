@@ -23,7 +23,9 @@ from elastic_ft import faults
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
-from elastic_ft.checkpoint.writer import CheckpointWriter, retire, snapshot
+from elastic_ft.checkpoint.manifest import Manifest
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, retire, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
 from elastic_ft.train import data as data_mod
@@ -137,7 +139,14 @@ class Trainer:
             )
         self.step = 0
         self.cursor = 0
-        self.writer = CheckpointWriter(self.store, opts.run_id) if world.is_leader else None
+        # Background saves talk over their own gloo group, so their collectives
+        # never interleave with the training thread's.
+        ckpt_group = dist.new_group(backend="gloo") if world.distributed else None
+        self.saver = AsyncSaver(
+            CheckpointWriter(self.store, opts.run_id), rank=world.rank, world_size=world.size, group=ckpt_group,
+            on_commit=self._on_commit, on_error=self._on_save_error,
+        )
+        self._save_started: dict[int, tuple[float, float, str]] = {}  # step -> (start, blocked s, reason)
         self.last_ckpt_step = 0
         self.last_ckpt_time = time.monotonic()
         self.last_loss: float | None = None
@@ -209,12 +218,15 @@ class Trainer:
                 )
                 (ce * scale).backward()
             loss_sum += ce.detach().double().cpu()
+        # The metric's all-reduce (token-weighted: a sum of sums, not a mean of means)
+        # runs while the optimizer steps, so it adds no sync point to the step.
+        pending = dist.all_reduce(loss_sum, async_op=True) if w.distributed else None
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), spec.optimizer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if w.distributed:
-            dist.all_reduce(loss_sum)  # token-weighted: a sum of sums, not a mean of means
+        if pending is not None:
+            pending.wait()
         consumed = None
         if spec.logging.ledger:
             # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
@@ -230,11 +242,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, reason: str) -> None:
-        """Commit a checkpoint of the current step (leader only; replicas are identical)."""
-        if not self.world.is_leader:
-            return
+    def save(self, reason: str, *, sync: bool = False) -> None:
+        """Checkpoint the current step: every rank snapshots and uploads its shard.
+
+        Called on every rank at the same steps. Training blocks for the host
+        copy only, unless ``sync`` (or ``checkpoint.async_save: false``).
+        """
         t0 = time.monotonic()
+        cfg = self.spec.checkpoint
+        # The leader decides skip-if-busy and the blob nonce, so all ranks submit the same saves.
+        skip, nonce = broadcast_from_leader(self.world, (cfg.if_busy == "skip" and self.saver.busy, new_nonce()))
+        if skip:
+            self.events.emit("checkpoint_skipped", step=self.step, reason="the previous save is still uploading")
+            return
         snap = snapshot(
             self.step, self.cursor,
             {"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)},
@@ -249,17 +269,34 @@ class Trainer:
                        "peak_lr": self.plan.lr},
             batch_plan=self.plan.to_dict(),
         )
-        blocked = time.monotonic() - t0
-        manifest = self.writer.commit(snap)
-        self.events.emit(
-            "checkpoint_committed", step=self.step, key=self.store.join(manifest.key), bytes=manifest.total_size,
-            blocked_s=round(blocked, 4), seconds=round(time.monotonic() - t0, 4), reason=reason,
-        )
-        keep = self.spec.checkpoint.keep_last
-        if keep is not None:
-            plan = collect(self.store, RetentionPolicy(keep_last=keep), time.time(), run_id=self.opts.run_id)
-            apply_gc(self.store, plan)
+        if sync or not cfg.async_save:
+            self._save_started[self.step] = (t0, float("nan"), reason)
+            self.saver.save(snap, nonce)
+        else:
+            self._save_started[self.step] = (t0, float("nan"), reason)
+            self.saver.submit(snap, nonce)
+            self._save_started[self.step] = (t0, time.monotonic() - t0, reason)
         self.last_ckpt_step, self.last_ckpt_time = self.step, time.monotonic()
+
+    def _on_commit(self, manifest: Manifest, snap: Snapshot) -> None:
+        """Leader, after a manifest landed (on the saver's thread)."""
+        t0, blocked, reason = self._save_started.pop(snap.step, (time.monotonic(), float("nan"), ""))
+        self.events.emit(
+            "checkpoint_committed", step=snap.step, key=self.store.join(manifest.key), bytes=manifest.total_size,
+            parts=self.world.size, blocked_s=None if math.isnan(blocked) else round(blocked, 5),
+            seconds=round(time.monotonic() - t0, 4), reason=reason,
+        )
+        c = self.spec.checkpoint
+        if c.keep_last is not None:
+            policy = RetentionPolicy(keep_last=c.keep_last, keep_every=c.keep_every, orphan_grace_s=c.orphan_grace_s)
+            try:
+                apply_gc(self.store, collect(self.store, policy, time.time(), run_id=self.opts.run_id))
+            except Exception as exc:  # retention can wait for the next commit; the checkpoint is safe
+                log.warning("retention after step %d failed: %s", snap.step, exc)
+
+    def _on_save_error(self, snap: Snapshot, exc: BaseException) -> None:
+        self._save_started.pop(snap.step, None)
+        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ the run
 
@@ -297,13 +334,17 @@ class Trainer:
                 step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
                 seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
             )
+            if self.spec.checkpoint.every_seconds is not None:
+                due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
             if due:
                 self.save(why)
+        self.saver.flush()  # the final checkpoint is durable before the job reports success
         summary = {"step": self.step, "final_loss": self.last_loss, "seconds": round(time.monotonic() - t_start, 2)}
         self.events.emit("end", **summary)
         return summary
 
     def close(self) -> None:
+        self.saver.wait()
         self.events.close()
         self.store.close()
 

@@ -1,0 +1,103 @@
+"""The torchx component (elastic_ft.components): argument checks and the AppDef it builds."""
+
+import shlex
+
+import pytest
+
+from elastic_ft.components import parse_nnodes, train
+
+
+@pytest.mark.parametrize("text,expected", [("1", (1, 1)), ("4", (4, 4)), ("2:8", (2, 8)), (" 1:1 ", (1, 1))])
+def test_parse_nnodes(text, expected):
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "2:", ":3", "1:2:3", "-1", "2-4"])
+def test_parse_nnodes_syntax_errors(text):
+    with pytest.raises(ValueError, match="must be N or MIN:MAX"):
+        parse_nnodes(text)
+
+
+@pytest.mark.parametrize("text", ["0", "3:2", "0:4"])
+def test_parse_nnodes_range_errors(text):
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
+        parse_nnodes(text)
+
+
+def command(app) -> list[str]:
+    (role,) = app.roles
+    assert role.entrypoint == "bash" and role.args[0] == "-c"
+    return shlex.split(role.args[1])
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_defaults():
+    app = train()
+    (role,) = app.roles
+    assert role.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert (role.num_replicas, role.min_replicas) == (1, 1)
+    cmd = command(app)
+    assert cmd[0] == "torchrun"
+    assert flag(cmd, "--rdzv_backend") == "c10d"
+    assert flag(cmd, "--rdzv_endpoint") == "localhost:0"
+    assert flag(cmd, "--nnodes") == "1"
+    assert flag(cmd, "--nproc_per_node") == "2"
+    assert flag(cmd, "--max_restarts") == "3" and role.max_retries == 3
+    assert cmd[cmd.index("-m") + 1] == "elastic_ft.worker"
+    assert flag(cmd, "--spec") == "specs/tiny-lora.yaml"
+    assert flag(cmd, "--checkpoint_uri") == "file://./runs"
+    assert "--run_id" not in cmd
+
+
+def test_elastic_nnodes_and_replicas():
+    app = train(nnodes="2:5", run_id="job1")
+    (role,) = app.roles
+    assert (role.num_replicas, role.min_replicas) == (5, 2)
+    cmd = command(app)
+    assert flag(cmd, "--nnodes") == "2:5"
+    assert flag(cmd, "--rdzv_id") == "job1" and flag(cmd, "--run_id") == "job1"
+    assert app.name == "elastic-ft-job1"
+    # several nodes and no endpoint: the rank-0 host variable, left for bash to expand
+    assert "--rdzv_endpoint ${" in app.roles[0].args[1]
+    (role,) = train(nnodes="2:5", replicas=3).roles
+    assert (role.num_replicas, role.min_replicas) == (3, 2)
+
+
+@pytest.mark.parametrize("replicas", [0, 6])
+def test_replicas_out_of_range(replicas):
+    with pytest.raises(ValueError, match="--replicas"):
+        train(nnodes="2:5", replicas=replicas)
+
+
+def test_etcd3_needs_endpoint():
+    with pytest.raises(ValueError, match="etcd3 needs --rdzv_endpoint"):
+        train(rdzv_backend="etcd3")
+    cmd = command(train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", rdzv_conf="join_timeout=600"))
+    assert flag(cmd, "--rdzv_backend") == "etcd3"
+    assert flag(cmd, "--rdzv_endpoint") == "etcd.example:2379"
+    assert flag(cmd, "--rdzv_conf") == "join_timeout=600"
+
+
+def test_overrides_and_options_passed_through():
+    app = train("optimizer.lr=1e-4", "model.config.name=it's", spec="my spec.yaml", checkpoint_uri="s3://b/p",
+                log_dir="/tmp/logs", env={"AWS_REGION": "us-east-1"}, max_restarts=0)
+    cmd = command(app)
+    assert cmd[-2:] == ["optimizer.lr=1e-4", "model.config.name=it's"]  # quoted for bash, intact
+    assert flag(cmd, "--spec") == "my spec.yaml"
+    assert flag(cmd, "--checkpoint_uri") == "s3://b/p"
+    assert flag(cmd, "--log_dir") == "/tmp/logs"
+    (role,) = app.roles
+    assert role.env["AWS_REGION"] == "us-east-1"
+    assert role.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert role.max_retries == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [({"nproc_per_node": 0}, "--nproc_per_node"),
+                                          ({"max_restarts": -1}, "--max_restarts"),
+                                          ({"nnodes": "x"}, "--nnodes")])
+def test_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        train(**kwargs)

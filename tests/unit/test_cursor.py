@@ -1,0 +1,88 @@
+"""Data order (elastic_ft.train.cursor): permutations, the cursor across epochs
+and restarts at other world sizes, and the deal to ranks."""
+
+import pytest
+
+from elastic_ft.config import BatchConfig
+from elastic_ft.train.cursor import deal, epoch_order, take
+from elastic_ft.train.scaling import plan_batch
+
+
+def test_epoch_order_is_a_deterministic_permutation():
+    order = epoch_order(7, 0, 100)
+    assert sorted(order) == list(range(100))
+    assert order != tuple(range(100))
+    epoch_order.cache_clear()
+    assert epoch_order(7, 0, 100) == order  # recomputed, not the cached object
+
+
+def test_epoch_order_differs_by_seed_and_epoch():
+    base = epoch_order(1, 0, 50)
+    assert epoch_order(2, 0, 50) != base
+    assert epoch_order(1, 1, 50) != base
+    assert sorted(epoch_order(1, 1, 50)) == list(range(50))
+
+
+def test_epoch_order_rejects_empty_dataset():
+    with pytest.raises(ValueError, match="empty"):
+        epoch_order(0, 0, 0)
+
+
+def test_take_within_and_across_epochs():
+    n, seed = 10, 3
+    e0, e1 = epoch_order(seed, 0, n), epoch_order(seed, 1, n)
+    assert take(0, 4, n, seed) == [(0, i) for i in e0[:4]]
+    got = take(8, 5, n, seed)
+    assert got == [(0, e0[8]), (0, e0[9]), (1, e1[0]), (1, e1[1]), (1, e1[2])]
+    # two whole epochs: each sample exactly once in each
+    both = take(0, 2 * n, n, seed)
+    assert sorted(i for e, i in both if e == 0) == list(range(n))
+    assert sorted(i for e, i in both if e == 1) == list(range(n))
+    assert take(5, 0, n, seed) == []
+
+
+def _consume(segments, n, seed):
+    """Run the cursor through restarts: each segment is (world, global_batch, steps).
+    Returns what the ranks processed, in rank order per step, and the final cursor."""
+    cursor, seen = 0, []
+    for world, global_batch, steps in segments:
+        plan = plan_batch(BatchConfig(global_batch=global_batch, micro_batch=3), 1e-3, world)
+        for _ in range(steps):
+            positions = take(cursor, plan.global_batch, n, seed)
+            per_rank = deal(positions, plan.per_rank)
+            assert [len(p) for p in per_rank] == list(plan.per_rank)
+            for mine in per_rank:
+                seen.extend(mine)
+            cursor += plan.global_batch
+    return seen, cursor
+
+
+def test_restarts_at_other_worlds_and_batches_continue_the_same_sequence():
+    n, seed = 37, 11
+    segments = [(2, 8, 3), (1, 5, 4), (3, 16, 2), (16, 16, 1), (5, 7, 3)]
+    seen, cursor = _consume(segments, n, seed)
+    assert cursor == 8 * 3 + 5 * 4 + 16 * 2 + 16 + 7 * 3
+    assert seen == take(0, cursor, n, seed)
+    # and it spans epochs: every finished epoch holds each sample once
+    for epoch in range(cursor // n):
+        assert sorted(i for e, i in seen if e == epoch) == list(range(n))
+
+
+def test_uninterrupted_and_restarted_runs_agree():
+    n, seed = 64, 0
+    one_pass, c1 = _consume([(1, 8, 12)], n, seed)
+    restarted, c2 = _consume([(2, 8, 5), (1, 8, 2), (3, 8, 5)], n, seed)
+    assert c1 == c2 and one_pass == restarted
+
+
+def test_deal_uneven_sizes():
+    items = list("abcdefg")
+    assert deal(items, (3, 2, 2)) == [["a", "b", "c"], ["d", "e"], ["f", "g"]]
+    assert deal(items, [7]) == [items]
+    assert deal(items, (1, 0, 6)) == [["a"], [], list("bcdefg")]
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (4, 4), ()])
+def test_deal_size_mismatch_raises(sizes):
+    with pytest.raises(ValueError, match=r"cannot deal 7 items"):
+        deal(list(range(7)), sizes)

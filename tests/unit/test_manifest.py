@@ -1,0 +1,97 @@
+"""Manifest parsing (elastic_ft.checkpoint.manifest): strict, and every error names the key."""
+
+import json
+
+import pytest
+
+from elastic_ft.checkpoint.manifest import (
+    FORMAT, BlobRef, Manifest, ManifestError, manifest_key, parse_manifest, step_of_key,
+)
+
+KEY = "manifests/000000000020.json"
+
+
+def good(**changes) -> dict:
+    m = Manifest(run_id="run-a", step=20, cursor=640, created=1.5, writer="tok", config_hash="abc",
+                 blobs={"model": BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64),
+                        "trainer": BlobRef("blobs/000000000020-x/trainer.json", 5, "e" * 64)},
+                 world={"size": 2}, batch_plan={"world": 2})
+    d = json.loads(m.to_json())
+    d.update(changes)
+    return d
+
+
+def parse(d, key=KEY, run_id="run-a"):
+    return parse_manifest(json.dumps(d).encode(), key=key, expected_run_id=run_id)
+
+
+def test_round_trip():
+    m = parse(good())
+    assert (m.run_id, m.step, m.cursor, m.format) == ("run-a", 20, 640, FORMAT)
+    assert m.blobs["model"] == BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64)
+    assert m.total_size == 15 and m.key == KEY and m.world == {"size": 2}
+    assert parse_manifest(m.to_json(), key=KEY) == m
+
+
+def test_keys():
+    assert manifest_key(20) == KEY
+    assert step_of_key(KEY) == 20
+    assert step_of_key("manifests/20.json") is None
+    assert step_of_key("manifests/000000000020.json.tmp") is None
+
+
+def error(d=None, *, data=None, key=KEY, run_id="run-a") -> str:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(data if data is not None else json.dumps(d).encode(), key=key, expected_run_id=run_id)
+    msg = str(info.value)
+    assert repr(key) in msg
+    return msg
+
+
+def test_wrong_format_version():
+    msg = error(good(format="elastic_ft.checkpoint/2"))
+    assert "'elastic_ft.checkpoint/2'" in msg and FORMAT in msg
+    assert "format None" in error({k: v for k, v in good().items() if k != "format"})
+
+
+def test_other_run():
+    msg = error(good(run_id="run-b"))
+    assert "'run-b'" in msg and "'run-a'" in msg
+    assert parse(good(run_id="run-b"), run_id=None).run_id == "run-b"  # no expectation: accepted
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"\xff\xfe", b""])
+def test_bad_json(data):
+    assert "not valid JSON" in error(data=data)
+
+
+def test_not_an_object():
+    assert "not a JSON object" in error(data=b"[1, 2]")
+
+
+@pytest.mark.parametrize("blob_key", ["manifests/000000000020.json", "../other-run/blobs/x", "blobs/../../x", "/etc/passwd"])
+def test_blob_outside_blobs_prefix(blob_key):
+    d = good()
+    d["blobs"]["model"]["key"] = blob_key
+    msg = error(d)
+    assert "'model'" in msg and repr(blob_key) in msg and "outside this run" in msg
+
+
+def test_step_key_mismatch():
+    msg = error(good(step=30))
+    assert "step 30" in msg and "does not match" in msg
+    assert parse(good(step=30), key="some/other/name.json").step == 30  # not a manifest key: nothing to match
+
+
+@pytest.mark.parametrize("field", ["step", "cursor", "blobs", "writer"])
+def test_missing_field(field):
+    d = good()
+    del d[field]
+    assert "missing or has a malformed field" in error(d)
+
+
+def test_malformed_blob_ref():
+    d = good()
+    d["blobs"]["model"] = {"key": "blobs/x"}
+    assert "malformed" in error(d)
+    assert "malformed" in error(good(step="twenty"))

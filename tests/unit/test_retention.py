@@ -1,0 +1,108 @@
+"""Retention planning (elastic_ft.checkpoint.retention.plan_gc): a pure function
+of the store listing, the policy and the clock."""
+
+from elastic_ft.checkpoint.manifest import manifest_key
+from elastic_ft.checkpoint.retention import RetentionPolicy, plan_gc
+from elastic_ft.checkpoint.store import ObjectInfo
+
+NOW = 1_000_000.0
+
+
+def store_of(steps, *, shared=(), orphans=(), age=10.0):
+    """Manifests at ``steps`` each with two own blobs (plus ``shared`` blobs in all),
+    and the blob listing with every blob ``age`` seconds old; ``orphans`` are
+    (key, age) pairs referenced by no manifest."""
+    manifests, listing = {}, []
+    for s in steps:
+        own = {f"blobs/{s:012d}-n/model.safetensors", f"blobs/{s:012d}-n/trainer.json"}
+        manifests[s] = (manifest_key(s), own | set(shared))
+        listing += [ObjectInfo(k, 100, NOW - age) for k in sorted(own)]
+    listing += [ObjectInfo(k, 100, NOW - age) for k in shared]
+    listing += [ObjectInfo(k, 100, NOW - a) for k, a in orphans]
+    return manifests, listing
+
+
+def deleted(plan):
+    return {d.key for d in plan.manifests}, {d.key for d in plan.blobs}
+
+
+def test_keep_last():
+    manifests, blobs = store_of([10, 20, 30, 40, 50])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=2), NOW)
+    assert plan.kept_steps == [40, 50]
+    gone_m, gone_b = deleted(plan)
+    assert gone_m == {manifest_key(s) for s in (10, 20, 30)}
+    assert gone_b == set().union(*(manifests[s][1] for s in (10, 20, 30)))
+    assert all("referenced only by deleted" in d.reason for d in plan.blobs)
+    assert all("past retention" in d.reason for d in plan.manifests)
+
+
+def test_keep_all_when_keep_last_is_none():
+    manifests, blobs = store_of([1, 2, 3])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=None), NOW)
+    assert plan.kept_steps == [1, 2, 3] and plan.manifests == [] and plan.blobs == []
+
+
+def test_keep_every():
+    manifests, blobs = store_of([10, 20, 30, 40, 50, 60])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1, keep_every=20), NOW)
+    assert plan.kept_steps == [20, 40, 60]
+    gone_m, _ = deleted(plan)
+    assert gone_m == {manifest_key(s) for s in (10, 30, 50)}
+
+
+def test_newest_always_kept():
+    manifests, blobs = store_of([3, 7, 11])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1, keep_every=5), NOW)
+    assert 11 in plan.kept_steps
+    assert manifest_key(11) not in deleted(plan)[0]
+    assert plan.kept_steps == [11]
+
+
+def test_keep_last_zero_keeps_only_the_newest():
+    manifests, blobs = store_of([1, 2, 3])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=0), NOW)
+    assert plan.kept_steps == [3]
+    assert deleted(plan)[0] == {manifest_key(1), manifest_key(2)}
+
+
+def test_blobs_of_kept_manifests_never_deleted_even_if_shared_or_old():
+    shared = ("blobs/base/shared.json",)
+    manifests, blobs = store_of([1, 2, 3], shared=shared, age=10 * 86400)
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1, orphan_grace_s=1), NOW)
+    _, gone_b = deleted(plan)
+    assert not gone_b & manifests[3][1]
+    assert "blobs/base/shared.json" not in gone_b
+    assert gone_b == (manifests[1][1] | manifests[2][1]) - set(shared)
+
+
+def test_orphans_deleted_only_after_grace():
+    orphans = [("blobs/000000000099-x/model.safetensors", 30.0), ("blobs/000000000098-y/model.safetensors", 7200.0)]
+    manifests, blobs = store_of([5], orphans=orphans)
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=3, orphan_grace_s=3600), NOW)
+    _, gone_b = deleted(plan)
+    assert gone_b == {"blobs/000000000098-y/model.safetensors"}  # the young one may be a save in flight
+    (d,) = plan.blobs
+    assert "orphan" in d.reason and "7200s" in d.reason
+    # the same store an hour later: now both are past grace
+    later = plan_gc(manifests, blobs, RetentionPolicy(keep_last=3, orphan_grace_s=3600), NOW + 3600)
+    assert deleted(later)[1] == {k for k, _ in orphans}
+
+
+def test_objects_outside_blobs_prefix_are_ignored():
+    manifests, blobs = store_of([1], orphans=[("manifests/tmp-abc", 10**6), ("README", 10**6)])
+    plan = plan_gc(manifests, blobs, RetentionPolicy(orphan_grace_s=0), NOW)
+    assert plan.blobs == [] and plan.manifests == []
+
+
+def test_empty_store():
+    plan = plan_gc({}, [ObjectInfo("blobs/x/y", 1, NOW - 10)], RetentionPolicy(orphan_grace_s=5), NOW)
+    assert plan.kept_steps == [] and plan.manifests == []
+    assert [d.key for d in plan.blobs] == ["blobs/x/y"]
+
+
+def test_plan_lines_are_printable():
+    manifests, blobs = store_of([1, 2])
+    lines = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1), NOW).lines()
+    assert lines[0] == "keep checkpoints at steps [2]"
+    assert f"delete {manifest_key(1)}" in lines[1]
