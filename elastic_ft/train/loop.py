@@ -273,9 +273,14 @@ class Trainer:
             self._save_started[self.step] = (t0, float("nan"), reason)
             self.saver.save(snap, nonce)
         else:
-            self._save_started[self.step] = (t0, float("nan"), reason)
-            self.saver.submit(snap, nonce)
+            # Record the blocked time *before* the background thread starts: a fast
+            # commit may call _on_commit (which pops this entry) before submit()
+            # returns, and writing the entry after it would report blocked_s as
+            # None and leave a stale entry behind. Waiting for a save still in
+            # flight (if_busy=wait) is part of the blocked time.
+            self.saver.wait()
             self._save_started[self.step] = (t0, time.monotonic() - t0, reason)
+            self.saver.submit(snap, nonce)
         self.last_ckpt_step, self.last_ckpt_time = self.step, time.monotonic()
 
     def _on_commit(self, manifest: Manifest, snap: Snapshot) -> None:

@@ -9,22 +9,22 @@ import pytest
 import torch
 
 from elastic_ft.events import read_events
-from tests.conftest import BIN, cli, explain, run
+from tests.conftest import BIN, REPO, cli, explain, run
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("main")
-    logs = root / "logs"
-    proc = run(
-        [os.path.join(BIN, "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={root / 'torchx'}",
-         "elastic_ft.train", "--run_id", "main", "--checkpoint_uri", f"file://{root}/runs", "--log_dir", str(logs)],
-        timeout=600,
-    )
+    """The README's command with no component arguments, in a scratch working directory
+    that sees the repo's specs/ and data/: the embedded defaults decide everything."""
+    cwd = tmp_path_factory.mktemp("main")
+    for name in ("specs", "data"):
+        os.symlink(os.path.join(REPO, name), cwd / name)
+    proc = run([os.path.join(BIN, "torchx"), "run", "-s", "local_cwd", "elastic_ft.train"], timeout=600, cwd=str(cwd))
     assert proc.returncode == 0, explain(proc)
-    return root, read_events(str(logs / "events.jsonl"))
+    root = cwd / "runs"  # checkpoint_uri default file://./runs, run_id default: the spec's name
+    return root, read_events(str(root / "tiny-lora" / "logs" / "events.jsonl"))
 
 
 def test_default_job_completes_with_two_ranks_and_learns(main_job):
@@ -42,7 +42,7 @@ def test_default_job_completes_with_two_ranks_and_learns(main_job):
 
 def test_ckpt_ls_and_verify(main_job):
     root, _ = main_job
-    uri = f"file://{root}/runs/main"
+    uri = f"file://{root}/tiny-lora"
     ls = cli("ckpt", "ls", uri)
     assert ls.returncode == 0, explain(ls)
     listed = [line.split()[0] for line in ls.stdout.splitlines()[1:]]
@@ -58,7 +58,7 @@ def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
 
     root, _ = main_job
     out = tmp_path / "adapter"
-    proc = cli("export", f"file://{root}/runs/main", "--out", str(out))
+    proc = cli("export", f"file://{root}/tiny-lora", "--out", str(out))
     assert proc.returncode == 0, explain(proc)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     base = AutoModelForCausalLM.from_pretrained(str(out / "base"))
