@@ -110,6 +110,29 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict, tenso
         optimizer.state[params[name]][field] = value.to(params[name].device)
 
 
+@dataclasses.dataclass
+class StepResult:
+    """A finished optimizer step; its global loss may still be in flight."""
+
+    step: int
+    """Steps completed, this one included."""
+    lr: float
+    tokens: int
+    """Global target tokens of the step."""
+    consumed: list | None
+    """Per rank, the (epoch, index) samples processed (ledger only)."""
+    loss_sum: torch.Tensor
+    pending: object | None
+    seconds: float = float("nan")
+
+    def loss(self) -> float:
+        """Token-weighted global loss (waits for the step's all-reduce)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        return float(self.loss_sum) / max(1, self.tokens)
+
+
 class Trainer:
     """State of one training process; :meth:`run` is the whole job."""
 
@@ -185,7 +208,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def train_step(self) -> dict:
+    def train_step(self) -> "StepResult":
         w, plan, spec = self.world, self.plan, self.spec
         positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
         indices = [i for _, i in positions]
@@ -219,14 +242,13 @@ class Trainer:
                 (ce * scale).backward()
             loss_sum += ce.detach().double().cpu()
         # The metric's all-reduce (token-weighted: a sum of sums, not a mean of means)
-        # runs while the optimizer steps, so it adds no sync point to the step.
+        # is only waited for after the next step's compute (StepResult.loss): no
+        # sync point is added to the step.
         pending = dist.all_reduce(loss_sum, async_op=True) if w.distributed else None
         if spec.optimizer.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), spec.optimizer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if pending is not None:
-            pending.wait()
         consumed = None
         if spec.logging.ledger:
             # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
@@ -236,9 +258,7 @@ class Trainer:
                 dist.all_gather_object(consumed, my_positions)
         self.step += 1
         self.cursor += plan.global_batch
-        loss = float(loss_sum) / max(1, global_tokens)
-        self.last_loss = loss
-        return {"loss": loss, "lr": lr, "tokens": global_tokens, "consumed": consumed}
+        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, pending)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -314,27 +334,16 @@ class Trainer:
         )
         self.resume()
         injector = faults.Injector.from_env()
-        start_step, t_start = self.step, time.monotonic()
+        self._start_step, self._t_start = self.step, time.monotonic()
+        previous: StepResult | None = None
         while self.step < self.total_steps:
             injector.maybe_fire(rank=w.rank, step=self.step)
             t0 = time.monotonic()
             out = self.train_step()
-            dt = time.monotonic() - t0
-            if out["consumed"] is not None:
-                self.events.emit("ledger", quiet=True, step=self.step - 1, samples=out["consumed"])
-            done = self.step - start_step
-            eta = (time.monotonic() - t_start) / done * (self.total_steps - self.step)
-            self.events.emit(
-                "step", quiet=True, step=self.step, loss=round(out["loss"], 6), lr=out["lr"],
-                tokens=out["tokens"], tokens_per_s=round(out["tokens"] / dt, 1), world=w.size,
-                eta_s=round(eta, 1),
-            )
-            if w.is_leader and (self.step % self.spec.logging.every_steps == 0 or self.step == self.total_steps):
-                log.info(
-                    "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", self.step,
-                    self.total_steps, out["loss"], out["lr"], f"{out['tokens'] / dt:,.0f}", w.size,
-                    _fmt_eta(eta),
-                )
+            out.seconds = time.monotonic() - t0
+            if previous is not None:
+                self.report(previous)  # one step late: its all-reduce finished during this step
+            previous = out
             due, why = checkpoint_due(
                 step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
                 seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
@@ -343,10 +352,32 @@ class Trainer:
                 due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
             if due:
                 self.save(why)
+        if previous is not None:
+            self.report(previous)
         self.saver.flush()  # the final checkpoint is durable before the job reports success
-        summary = {"step": self.step, "final_loss": self.last_loss, "seconds": round(time.monotonic() - t_start, 2)}
+        summary = {"step": self.step, "final_loss": self.last_loss,
+                   "seconds": round(time.monotonic() - self._t_start, 2)}
         self.events.emit("end", **summary)
         return summary
+
+    def report(self, r: "StepResult") -> None:
+        """Events and the progress line of a finished step."""
+        w = self.world
+        loss = r.loss()
+        self.last_loss = loss
+        if r.consumed is not None:
+            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
+        done = max(1, r.step - self._start_step)
+        eta = (time.monotonic() - self._t_start) / done * (self.total_steps - r.step)
+        self.events.emit(
+            "step", quiet=True, step=r.step, loss=round(loss, 6), lr=r.lr, tokens=r.tokens,
+            tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size, eta_s=round(eta, 1),
+        )
+        if w.is_leader and (r.step % self.spec.logging.every_steps == 0 or r.step == self.total_steps):
+            log.info(
+                "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", r.step, self.total_steps,
+                loss, r.lr, f"{r.tokens / r.seconds:,.0f}", w.size, _fmt_eta(eta),
+            )
 
     def close(self) -> None:
         self.saver.wait()
