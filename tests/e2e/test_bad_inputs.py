@@ -9,9 +9,10 @@ import shutil
 
 import pytest
 
+from elastic_ft import worker
 from elastic_ft.checkpoint.manifest import manifest_key
 from tests.conftest import DEFAULT_SPEC, explain, torchrun, tree_digest
-from tests.e2e.test_checkpoint_integrity import committed_run, train  # noqa: F401 (fixture)
+from tests.e2e.conftest import train
 
 
 @pytest.fixture
@@ -89,5 +90,3 @@ def test_global_batch_smaller_than_world(guarded):
     assert proc.returncode != 0
     assert "batch.global_batch (1) is smaller than the world size (2)" in proc.stderr, explain(proc)
 
-
-from elastic_ft import worker  # noqa: E402  (after the fixtures import, for readability above)

@@ -9,25 +9,12 @@ import shutil
 
 import pytest
 
-from elastic_ft import worker
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
 from elastic_ft.checkpoint.store import LocalStore
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
 from elastic_ft.events import read_events
-from tests.conftest import DEFAULT_SPEC, cli, explain
-
-
-def train(root: str, run_id: str, *overrides: str) -> int:
-    return worker.main(["--spec", DEFAULT_SPEC, "--run_id", run_id, "--checkpoint_uri", f"file://{root}",
-                        "--log_dir", os.path.join(root, run_id, "logs"), *overrides])
-
-
-@pytest.fixture(scope="module")
-def committed_run(tmp_path_factory) -> str:
-    """A run of 6 steps with checkpoints at 2, 4 and 6 (in this process: world 1)."""
-    root = str(tmp_path_factory.mktemp("committed"))
-    assert train(root, "run", "steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=null") == 0
-    return root
+from tests.conftest import cli, explain
+from tests.e2e.conftest import train
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from elastic_ft import worker
 from elastic_ft.config import DataConfig
 from elastic_ft.events import read_events
 from elastic_ft.train import data as data_mod
 from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import DEFAULT_SPEC, cli, explain
+from tests.e2e.conftest import train
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs.", "Hello!"]
 
@@ -67,11 +67,6 @@ def test_missing_field_names_the_columns(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"body": "x"}])
     with pytest.raises(data_mod.DataError, match=r"data field 'text' is not in the data; it has columns \['body'\]"):
         data_mod.load(DataConfig(files=[path], max_length=16), byte_tokenizer())
-
-
-def train(root, run_id, *overrides):
-    return worker.main(["--spec", DEFAULT_SPEC, "--run_id", run_id, "--checkpoint_uri", f"file://{root}",
-                        "--log_dir", os.path.join(root, run_id, "logs"), *overrides])
 
 
 @pytest.mark.slow
