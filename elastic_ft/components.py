@@ -41,7 +41,7 @@ def train(
     rdzv_endpoint: Optional[str] = None,
     rdzv_conf: Optional[str] = None,
     max_restarts: int = 3,
-    replicas: Optional[int] = None,
+    replicas: int = 0,
     image: str = torchx.IMAGE,
     cpu: int = 2,
     gpu: int = 0,
@@ -63,7 +63,7 @@ def train(
         rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
         rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options)
         max_restarts: times torchrun restarts failed workers before giving up
-        replicas: node agents this submission starts (default: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
+        replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
         image: container image (local_cwd: ignored, the current directory is used)
         cpu: CPUs per node
         gpu: GPUs per node
@@ -77,7 +77,7 @@ def train(
         raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
-    if replicas is not None and not 1 <= replicas <= hi:
+    if replicas and not 1 <= replicas <= hi:
         raise ValueError(f"--replicas {replicas} must be between 1 and the max of --nnodes ({hi})")
     if rdzv_backend == "etcd3" and not rdzv_endpoint:
         raise ValueError("--rdzv_backend etcd3 needs --rdzv_endpoint HOST:PORT of an etcd v3 server")

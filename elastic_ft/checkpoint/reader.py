@@ -10,6 +10,8 @@ wrong, and guessing could resume the wrong model.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -52,14 +54,77 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     """Fetch and verify every blob of ``manifest``; raises :class:`StoreError` naming the first bad one."""
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     documents: dict[str, Any] = {}
-    for name, ref in sorted(manifest.blobs.items()):
-        data = store.get_verified(ref.key, size=ref.size, sha256=ref.sha256)
-        group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
-        if ref.key.endswith(".safetensors"):
-            tensors.setdefault(group, {}).update(load_safetensors(data))
-        else:
-            documents[group] = json.loads(data)
+    refs = iter(sorted(manifest.blobs.items()))
+    # Two blobs in flight: the next downloads (its parts in parallel, in the
+    # store) while this one is parsed; never more, so memory stays at about
+    # two raw blobs on top of the loaded tensors.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-load") as pool:
+        pending: collections.deque = collections.deque()
+
+        def fetch_next() -> None:
+            item = next(refs, None)
+            if item is not None:
+                ref = item[1]
+                pending.append((item, pool.submit(store.get_verified, ref.key, size=ref.size, sha256=ref.sha256)))
+
+        fetch_next()
+        fetch_next()
+        try:
+            while pending:
+                (name, ref), fetch = pending.popleft()
+                data = fetch.result()
+                group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
+                if ref.key.endswith(".safetensors"):
+                    tensors.setdefault(group, {}).update(tensors_from_safetensors(data))
+                else:
+                    documents[group] = json.loads(data)
+                del data
+                fetch_next()
+        except BaseException:
+            for _, f in pending:
+                f.cancel()
+            raise
     return LoadedCheckpoint(manifest, tensors, documents)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def tensors_from_safetensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob.
+
+    A ``bytearray`` (what the S3 store returns for a large download) is not
+    copied again: each tensor is a view of it (``torch.frombuffer``), so a
+    loaded checkpoint needs its size in memory once, not twice. Anything else,
+    or a layout this does not handle (another dtype, an unaligned offset), goes
+    through ``safetensors``, which copies.
+    """
+    if not isinstance(data, bytearray) or len(data) < 8:
+        return load_safetensors(bytes(data))
+    head_len = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + head_len])
+    except ValueError:
+        return load_safetensors(bytes(data))
+    base = 8 + head_len
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info.get("dtype"))
+        start, end = info["data_offsets"]
+        if dtype is None or (base + start) % dtype.itemsize or end > len(data) - base:
+            return load_safetensors(bytes(data))
+        count = (end - start) // dtype.itemsize
+        if count == 0:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=base + start).view(info["shape"])
+    return out
 
 
 def verify(store: ObjectStore, manifest: Manifest) -> list[str]:

@@ -14,7 +14,9 @@ and the leader commits once every part is in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -59,11 +61,16 @@ class Snapshot:
 
 def snapshot(step: int, cursor: int, tensors: dict[str, dict[str, torch.Tensor]], **fields) -> Snapshot:
     """Copy ``tensors`` to contiguous CPU memory (detached, so training may mutate the originals)."""
-    copied = {
-        name: {k: t.detach().to("cpu", copy=True).contiguous() for k, t in group.items()}
-        for name, group in tensors.items()
-    }
+    copied = {name: {k: _host_copy(t) for k, t in group.items()} for name, group in tensors.items()}
     return Snapshot(step=step, cursor=cursor, tensors=copied, **fields)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    # clone() is ~1.5x faster than to("cpu", copy=True) for the hundreds of small
+    # LoRA tensors a snapshot copies while training waits.
+    if t.device.type == "cpu":
+        return t.detach().clone(memory_format=torch.contiguous_format)
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def new_writer_token() -> str:
@@ -122,17 +129,21 @@ class CheckpointWriter:
         carries the JSON documents. All parts together are the checkpoint.
         """
         prefix = f"{BLOB_PREFIX}{snap.step:012d}-{nonce}/"
-        blobs: dict[str, BlobRef] = {}
+        jobs: list[tuple[str, str, Callable[[], bytes]]] = []  # (blob name, key, serialise)
         for group, shards in shard_tensors(snap.tensors, parts).items():
             if shards[part]:
                 name = group if parts == 1 else f"{group}/{part:05d}-of-{parts:05d}"
                 key = prefix + name.replace("/", "-") + ".safetensors"
-                blobs[name] = self._put_blob(key, save_safetensors(shards[part]))
+                jobs.append((name, key, functools.partial(safetensors_bytes, shards[part])))
         if part == 0:
             for name, doc in snap.documents.items():
-                data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-                blobs[name] = self._put_blob(prefix + f"{name}.json", data)
-        return blobs
+                jobs.append((name, prefix + f"{name}.json", functools.partial(_json_bytes, doc)))
+        # Two blobs in flight: serialising one overlaps the other's upload. (The
+        # store parallelises each large blob's parts itself; more blobs at once
+        # would only hold more serialised copies in memory.)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-blob") as pool:
+            futures = {name: pool.submit(lambda k=key, make=make: self._put_blob(k, make())) for name, key, make in jobs}
+            return {name: f.result() for name, f in futures.items()}
 
     def commit_manifest(self, snap: Snapshot, blobs: dict[str, BlobRef]) -> Manifest:
         """Write the manifest naming ``blobs`` (all uploaded): the checkpoint now exists."""
@@ -145,8 +156,15 @@ class CheckpointWriter:
         return manifest
 
     def _put_blob(self, key: str, data: bytes) -> BlobRef:
-        self.store.put(key, data)
-        return BlobRef(key=key, size=len(data), sha256=sha256_hex(data))
+        if len(data) < _HASH_IN_THREAD_BYTES:
+            self.store.put(key, data)
+            return BlobRef(key=key, size=len(data), sha256=sha256_hex(data))
+        # Hash while the bytes go up (hashlib releases the GIL): the digest then
+        # costs no wall time on top of the upload.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+            digest = hasher.submit(sha256_hex, data)
+            self.store.put(key, data)
+            return BlobRef(key=key, size=len(data), sha256=digest.result())
 
     def _commit_manifest(self, manifest: Manifest) -> None:
         key = manifest_key(manifest.step)
@@ -164,6 +182,56 @@ class CheckpointWriter:
                 f"{existing.writer!r} ({self.store.join(key)}); two jobs are writing the same run: "
                 f"give each job its own run_id"
             ) from None
+
+
+_HASH_IN_THREAD_BYTES = 1 << 20
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytearray | bytes:
+    """``tensors`` in the safetensors format, written with one memcpy per tensor.
+
+    The standard format (8-byte header length, JSON header padded to 8 bytes,
+    then the data; ``safetensors.torch.load`` reads it), built in one buffer at
+    about twice the speed of ``safetensors.torch.save`` on large state (~650 vs
+    ~300 MB/s here): serialising is on the critical path of every commit.
+    Dtypes outside the table, and tensors not on the CPU, go through ``safetensors``.
+    """
+    import numpy as np
+
+    if any(t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" for t in tensors.values()):
+        return save_safetensors(tensors)
+    header: dict[str, Any] = {}
+    layout = []
+    offset = 0
+    # Widest dtype first (as safetensors orders them): every tensor's data then
+    # starts at a multiple of its element size, so a reader can view it in place.
+    for name in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
+        t = tensors[name].detach().contiguous()
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        layout.append((t, offset, n))
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    buf = bytearray(8 + len(head) + offset)
+    buf[:8] = len(head).to_bytes(8, "little")
+    buf[8 : 8 + len(head)] = head
+    out = np.frombuffer(buf, dtype=np.uint8)
+    base = 8 + len(head)
+    for t, start, n in layout:
+        if n:
+            out[base + start : base + start + n] = t.reshape(-1).view(torch.uint8).numpy()
+    return buf
+
+
+def _json_bytes(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 QUARANTINE_PREFIX = "quarantine/"

@@ -1,1 +1,16 @@
-"""Rendezvous on etcd v3 for torch elastic: backend, store, handler factory."""
+"""Rendezvous on etcd v3 for torch elastic: backend, store, handler factory.
+
+``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=HOST:2379 --rdzv-id=RUN ...``
+finds :func:`elastic_ft.rendezvous.handler.etcd3_handler` through the
+``torchrun.handlers`` entry point. The modules, one concept each:
+
+- ``options``: the ``--rdzv-conf`` options, validated into one dataclass.
+- ``etcd_client``: the only module that touches python-etcd3 (imported lazily;
+  protobuf runtime, retries, failover, TLS and auth, the lease).
+- ``backend``: torch's ``RendezvousBackend``, the state as one key with
+  compare-and-set on its revision.
+- ``store``: a ``torch.distributed.Store`` in etcd for the agents' bootstrap.
+- ``handler``: builds torch's ``DynamicRendezvousHandler`` from those.
+
+Nothing is imported here, so loading the entry point stays cheap.
+"""

@@ -332,7 +332,8 @@ class Trainer:
     def run(self) -> dict:
         w = self.world
         self.events.emit(
-            "start", world=w.size, total_steps=self.total_steps, dataset_size=len(self.data),
+            "start", world=w.size, pid=os.getpid(), host=socket.gethostname(), total_steps=self.total_steps,
+            dataset_size=len(self.data),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
             config_hash=self.spec.hash(), batch_plan=self.plan.to_dict(),
         )

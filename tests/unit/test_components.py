@@ -66,7 +66,13 @@ def test_elastic_nnodes_and_replicas():
     assert (role.num_replicas, role.min_replicas) == (3, 2)
 
 
-@pytest.mark.parametrize("replicas", [0, 6])
+def test_replicas_zero_means_max_nnodes():
+    # torchx passes every argument from the command line; 0 is "not given".
+    (role,) = train(nnodes="2:5", replicas=0).roles
+    assert role.num_replicas == 5
+
+
+@pytest.mark.parametrize("replicas", [-1, 6])
 def test_replicas_out_of_range(replicas):
     with pytest.raises(ValueError, match="--replicas"):
         train(nnodes="2:5", replicas=replicas)

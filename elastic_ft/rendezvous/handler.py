@@ -1,0 +1,111 @@
+"""The ``torchrun.handlers`` entry point ``etcd3``: builds the rendezvous handler.
+
+pyproject.toml registers ``etcd3 = "elastic_ft.rendezvous.handler:etcd3_handler"``.
+torchrun calls :func:`etcd3_handler` (no arguments) when it loads its
+out-of-tree backends, for every run whatever backend is chosen, so it only
+returns :func:`create_handler` and imports nothing heavy. ``create_handler``
+runs when ``--rdzv-backend=etcd3`` is actually used: it parses ``--rdzv-conf``,
+connects to etcd (importing python-etcd3 then) and returns torch's own
+:class:`DynamicRendezvousHandler` over our backend and store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+
+def etcd3_handler() -> Callable[[Any], Any]:
+    """Entry point of group ``torchrun.handlers``: returns the handler creator."""
+
+    def creator(params: Any) -> Any:
+        # Looked up at call time: this module may still be importing (see below).
+        return create_handler(params)
+
+    return creator
+
+
+# Defined before the torch imports below on purpose: importing
+# torch.distributed.elastic.rendezvous loads every ``torchrun.handlers`` entry
+# point, this one included, so when this module is imported first torch finds
+# etcd3_handler on the partially initialised module instead of failing.
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+# torch 2.13 otherwise makes the rank-0 agent host a TCPStore shared with the
+# workers, so the job's store dies with that node, and a node joining a running
+# job hangs (the new round never publishes MASTER_ADDR). With it set, each round
+# publishes a fresh MASTER_ADDR/PORT through our etcd store instead.
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers must not look for a store on the agent: it lives in etcd."""
+        return False
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous (see base class), then the etcd connection.
+
+        The connection reopens by itself if the handler is used again; closing
+        it frees the gRPC channel's threads in processes that build many
+        handlers (tests, benchmarks).
+        """
+        try:
+            return super().shutdown()
+        finally:
+            client = getattr(self._store, "client", None)
+            if client is not None:
+                client.close()
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the handler for ``torchrun --rdzv-backend=etcd3``.
+
+    Raises:
+        ValueError: an invalid ``--rdzv-conf`` option (all of them listed).
+        EtcdClientError: python-etcd3 cannot be imported (protobuf runtime).
+    """
+    from .backend import EtcdV3RendezvousBackend
+    from .etcd_client import EtcdClient
+    from .options import parse_options
+    from .store import EtcdStore
+
+    options = parse_options(params.endpoint, params.config)
+    if os.environ.get(_SHARE_STORE_ENV) != "1":
+        log.info("Setting %s=1: the etcd3 rendezvous keeps the agents' store in etcd.", _SHARE_STORE_ENV)
+        os.environ[_SHARE_STORE_ENV] = "1"
+
+    client = EtcdClient(options.connection, name=params.run_id)
+    run_prefix = options.run_prefix(params.run_id)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix)
+    store = EtcdStore(client, run_prefix + "store/")
+    timeout = RendezvousTimeout(
+        join=options.join_timeout,
+        last_call=options.last_call_timeout,
+        close=options.close_timeout,
+        heartbeat=options.heartbeat_timeout,
+    )
+    return EtcdRendezvousHandler.from_backend(
+        run_id=params.run_id,
+        store=store,
+        backend=backend,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        timeout=timeout,
+        keep_alive_interval=options.keep_alive_interval,
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
+    )

@@ -1,0 +1,249 @@
+"""Options of the etcd3 rendezvous backend, parsed from torchrun's ``--rdzv-conf``.
+
+``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=HOST:PORT --rdzv-conf k=v,...``
+hands us a :class:`RendezvousParameters` whose ``config`` holds the
+``--rdzv-conf`` pairs as strings. :func:`parse_options` turns them into one
+frozen dataclass, checking every option and collecting all problems into a
+single ``ValueError`` that names each bad option and value.
+
+Several etcd members can be given either in the endpoint
+(``--rdzv-endpoint=h1:2379,h2:2379``) or in the ``endpoints`` option, separated
+by ``;`` or ``|`` (``--rdzv-conf`` itself is split on commas). The client fails
+over between them in order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping
+
+from .etcd_client import ConnectionSettings, Endpoint
+
+DEFAULT_PORT = 2379
+
+# Options that torch's dynamic rendezvous reads itself (see
+# torch.distributed.elastic.rendezvous.dynamic_rendezvous.create_handler); we
+# validate them too so that every mistake is reported at once.
+_TORCH_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
+
+# torchrun always adds "timeout" (its --rdzv-timeout, default 900); the
+# dynamic rendezvous ignores it in favour of join_timeout, and so do we.
+_IGNORED = ("timeout",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdRendezvousOptions:
+    """Everything the etcd3 backend needs besides the run id and node counts."""
+
+    endpoints: tuple[Endpoint, ...]
+    """etcd client endpoints, tried in order; the first answers unless it is down."""
+
+    key_prefix: str = "/elastic_ft/rendezvous"
+    """Every key of a run lives under ``<key_prefix>/<run_id>/``."""
+
+    lease_ttl: int = 7200
+    """Seconds after the last write by any agent before a run's keys expire (abandoned runs)."""
+
+    request_timeout: float = 10.0
+    """Seconds one etcd request may take before it counts as a (retried) failure."""
+
+    retry_timeout: float = 30.0
+    """Seconds of consecutive transient failures (etcd down, leader change) before giving up."""
+
+    ca_cert: str | None = None
+    """PEM file of the CA that signed etcd's server certificate; turns TLS on."""
+
+    client_cert: str | None = None
+    """PEM file of this client's certificate, for etcd's --client-cert-auth."""
+
+    client_key: str | None = None
+    """PEM file of this client's private key (goes with client_cert)."""
+
+    user: str | None = None
+    """etcd user name, when etcd has authentication enabled."""
+
+    password: str | None = field(default=None, repr=False)
+    """etcd password; also read from the environment variable named by password_env."""
+
+    join_timeout: timedelta | None = None
+    last_call_timeout: timedelta | None = None
+    close_timeout: timedelta | None = None
+    heartbeat_timeout: timedelta | None = None
+    keep_alive_interval: int = 5
+    keep_alive_max_attempt: int = 3
+
+    @property
+    def connection(self) -> ConnectionSettings:
+        """The part of the options the etcd client needs."""
+        return ConnectionSettings(
+            endpoints=self.endpoints,
+            request_timeout=self.request_timeout,
+            retry_timeout=self.retry_timeout,
+            ca_cert=self.ca_cert,
+            client_cert=self.client_cert,
+            client_key=self.client_key,
+            user=self.user,
+            password=self.password,
+            lease_ttl=self.lease_ttl,
+        )
+
+    def run_prefix(self, run_id: str) -> str:
+        """The key prefix of one run: its state key and its store live under it."""
+        return f"{self.key_prefix}/{run_id}/"
+
+
+KNOWN_OPTIONS = (
+    "endpoints",
+    "key_prefix",
+    "lease_ttl",
+    "request_timeout",
+    "retry_timeout",
+    "ca_cert",
+    "client_cert",
+    "client_key",
+    "user",
+    "password",
+    "password_env",
+    *_TORCH_TIMEOUTS,
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
+
+# Names torch's etcd-v2 backend uses for the same files, accepted so that an
+# existing --rdzv-conf keeps working.
+_ALIASES = {"ssl_cert": "client_cert", "ssl_cert_key": "client_key"}
+
+
+def parse_endpoints(text: str, problems: list[str], option: str) -> list[Endpoint]:
+    """Parse ``host[:port]`` items separated by ``,``, ``;``, ``|`` or spaces."""
+    out: list[Endpoint] = []
+    for item in re.split(r"[,;|\s]+", text.strip()):
+        if not item:
+            continue
+        item = re.sub(r"^[a-z]+://", "", item)  # accept http://host:port as etcdctl does
+        host, sep, port_text = item.rpartition(":")
+        if not sep:
+            host, port_text = item, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        if not host or not re.fullmatch(r"[\w.:-]+", host):
+            problems.append(f"{option}: the host of endpoint {item!r} is not a valid host name.")
+            continue
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            problems.append(
+                f"{option}: the port of endpoint {item!r} must be an integer between 1 and 65535."
+            )
+            continue
+        out.append(Endpoint(host, int(port_text)))
+    return out
+
+
+def parse_options(
+    endpoint: str | None, config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> EtcdRendezvousOptions:
+    """Build :class:`EtcdRendezvousOptions` from torchrun's endpoint and ``--rdzv-conf``.
+
+    Raises:
+        ValueError: listing every bad or unknown option with its value.
+    """
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    conf = {}
+    for key, value in config.items():
+        conf[_ALIASES.get(key, key)] = value
+
+    unknown = sorted(k for k in conf if k not in KNOWN_OPTIONS and k not in _IGNORED)
+    for key in unknown:
+        problems.append(
+            f"{key}: unknown option of the etcd3 rendezvous backend; known options are "
+            f"{', '.join(KNOWN_OPTIONS)}."
+        )
+
+    endpoints = parse_endpoints(endpoint or "", problems, "rdzv_endpoint")
+    if conf.get("endpoints"):
+        endpoints += parse_endpoints(str(conf["endpoints"]), problems, "endpoints")
+    endpoints = list(dict.fromkeys(endpoints))
+    if not endpoints and not any(p.startswith(("rdzv_endpoint", "endpoints")) for p in problems):
+        problems.append(
+            "rdzv_endpoint: no etcd endpoint given; pass --rdzv-endpoint=HOST:PORT "
+            "(or the endpoints option)."
+        )
+
+    def number(key: str, kind: type, default: Any, minimum: float = 0, strict: bool = True) -> Any:
+        raw = conf.get(key)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = kind(raw)
+        except (TypeError, ValueError):
+            problems.append(f"{key}: {raw!r} is not a valid {kind.__name__}.")
+            return default
+        if (strict and value <= minimum) or (not strict and value < minimum):
+            bound = "greater than" if strict else "at least"
+            problems.append(f"{key}: {raw!r} must be {bound} {minimum:g}.")
+            return default
+        return value
+
+    def timeout(key: str) -> timedelta | None:
+        value = number(key, int, None)
+        return None if value is None else timedelta(seconds=value)
+
+    def path(key: str) -> str | None:
+        raw = conf.get(key)
+        if raw is None:
+            return None
+        if not os.path.isfile(raw):
+            problems.append(f"{key}: the file {raw!r} does not exist.")
+        return str(raw)
+
+    key_prefix = str(conf.get("key_prefix", "/elastic_ft/rendezvous")).rstrip("/")
+    if not key_prefix.startswith("/") or "//" in key_prefix:
+        problems.append(
+            f"key_prefix: {conf.get('key_prefix')!r} must be an absolute key path like "
+            f"/elastic_ft/rendezvous."
+        )
+
+    ca_cert = path("ca_cert")
+    client_cert = path("client_cert")
+    client_key = path("client_key")
+    if (client_cert is None) != (client_key is None):
+        problems.append(
+            "client_cert/client_key: give both the client certificate and its key, or neither."
+        )
+    if client_cert is not None and ca_cert is None:
+        problems.append("ca_cert: a client certificate needs ca_cert too (TLS is off without it).")
+
+    user = conf.get("user")
+    password = conf.get("password")
+    password_env = conf.get("password_env")
+    if password is None and password_env:
+        password = environ.get(str(password_env))
+        if password is None:
+            problems.append(f"password_env: the environment variable {password_env!r} is not set.")
+    if (user is None) != (password is None):
+        problems.append("user/password: give both the etcd user and its password, or neither.")
+
+    options = dict(
+        key_prefix=key_prefix,
+        lease_ttl=number("lease_ttl", int, 7200),
+        request_timeout=number("request_timeout", float, 10.0),
+        retry_timeout=number("retry_timeout", float, 30.0),
+        ca_cert=ca_cert,
+        client_cert=client_cert,
+        client_key=client_key,
+        user=user,
+        password=password,
+        join_timeout=timeout("join_timeout"),
+        last_call_timeout=timeout("last_call_timeout"),
+        close_timeout=timeout("close_timeout"),
+        heartbeat_timeout=timeout("heartbeat_timeout"),
+        keep_alive_interval=number("keep_alive_interval", int, 5),
+        keep_alive_max_attempt=number("keep_alive_max_attempt", int, 3),
+    )
+    if problems:
+        raise ValueError(
+            "The etcd3 rendezvous options are invalid:\n  - " + "\n  - ".join(problems)
+        )
+    return EtcdRendezvousOptions(endpoints=tuple(endpoints), **options)

@@ -1,0 +1,164 @@
+"""Node agents for the multi-node tests: torchrun (or torchx) processes on this machine.
+
+An :class:`Agent` is one simulated node: a ``torchrun --rdzv-backend=etcd3``
+process with its own log file. A lost node is simulated by killing the agent's
+whole process tree: torchrun's workers run in their own session, so killing
+the agent alone would leave them training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+GLOO_JOB = Path(__file__).with_name("gloo_job.py")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The agents' environment: the venv first on PATH, INFO logs, no inherited knobs.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE and PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION
+    are removed on purpose: a plain torchrun in a fresh shell must work.
+    """
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOGLEVEL"] = "INFO"
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION",
+                 "ELASTIC_FT_FAULTS"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+class Agent:
+    """One node: a process (tree) started with ``cmd``, logging to ``log``."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.cmd = cmd
+        self.log = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                cmd, cwd=REPO, env=env or child_env(), stdout=out, stderr=subprocess.STDOUT
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"agent {self.pid} did not exit within {timeout} s; log tail:\n{self.tail()}"
+            ) from None
+
+    def tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "<no log>"
+
+    def kill_tree(self) -> None:
+        """SIGKILL the agent and every descendant (its workers), like a lost machine."""
+        try:
+            root = psutil.Process(self.pid)
+            procs = root.children(recursive=True) + [root]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        self.process.wait(timeout=30)
+
+    def descendants(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+
+def torchrun_agent(
+    endpoint: str,
+    run_id: str,
+    out: Path,
+    *,
+    nproc: int,
+    nnodes: str,
+    steps: int,
+    step_time: float = 0.2,
+    max_restarts: int = 3,
+    # A 1 s heartbeat lets survivors drop a dead node after 3 s instead of 15 s.
+    conf: str = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1",
+    name: str = "agent",
+) -> Agent:
+    """A plain ``torchrun --rdzv-backend=etcd3`` agent running the gloo test job."""
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes", nnodes,
+        "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "etcd3",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", run_id,
+        "--rdzv-conf", conf,
+        "--max-restarts", str(max_restarts),
+        "--monitor-interval", "0.5",
+        str(GLOO_JOB), "--out", str(out), "--steps", str(steps), "--step-time", str(step_time),
+    ]
+    return Agent(cmd, out / f"{name}.log")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    # The last line may be half-written while a process appends it.
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
+def wait_for(
+    condition: Callable[[], object],
+    timeout: float,
+    what: str,
+    agents: list[Agent] = (),  # type: ignore[assignment]
+    poll: float = 0.2,
+) -> object:
+    """Poll ``condition`` until truthy; fail early if an agent exits, or at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        for agent in agents:
+            if agent.poll() is not None:
+                raise AssertionError(
+                    f"agent {agent.pid} exited with {agent.poll()} while waiting for {what}; "
+                    f"log tail:\n{agent.tail()}"
+                )
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- agent {a.pid}\n{a.tail(2000)}" for a in agents)
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
+        time.sleep(poll)

@@ -1,0 +1,89 @@
+"""A tiny elastic gloo job that torchrun starts in the rendezvous tests.
+
+Each worker records who it is (rank, world size, its agent's pid) in
+``<out>/workers.jsonl``, then runs steps of one ``all_reduce`` each until
+``--steps`` are done. Rank 0 records each finished step in ``<out>/steps.jsonl``
+and the step count in ``<out>/progress`` (write-temp + rename), so workers
+restarted at another world size resume where the old world stopped: enough
+to see a job continue through node loss and growth without the trainer.
+
+``--step-time`` paces steps so a test can act while the job runs; the pause
+is the job's simulated compute, not a test waiting for a condition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def append_line(path: Path, record: dict) -> None:
+    # One small O_APPEND write per line: lines from several processes do not interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_progress(path: Path) -> int:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--step-time", type=float, default=0.2)
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    append_line(
+        out / "workers.jsonl",
+        {
+            "rank": rank,
+            "world_size": world,
+            "env_world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+            "group_rank": int(os.environ["GROUP_RANK"]),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "agent_pid": os.getppid(),
+            "pid": os.getpid(),
+        },
+    )
+
+    # Every rank starts from rank 0's view of the progress file.
+    start = torch.tensor([read_progress(out / "progress") if rank == 0 else 0])
+    dist.broadcast(start, src=0)
+    step = int(start.item())
+    while step < args.steps:
+        time.sleep(args.step_time)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        if int(value.item()) != world:
+            raise RuntimeError(f"all_reduce gave {value.item()} with world size {world}")
+        step += 1
+        if rank == 0:
+            tmp = out / "progress.tmp"
+            tmp.write_text(str(step))
+            os.replace(tmp, out / "progress")
+            append_line(out / "steps.jsonl", {"step": step, "world_size": world})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Contract tests of the etcd v3 RendezvousBackend against a real etcd process.
+
+The cases torch's own backend tests cover: first write, stale token,
+concurrent writers, TTL expiry, connection loss; plus recovery from an etcd
+restart through the client's retries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
+
+from elastic_ft.rendezvous.backend import EtcdV3RendezvousBackend
+from elastic_ft.rendezvous.etcd_client import EtcdClient
+from elastic_ft.rendezvous.options import parse_options
+
+
+def make_backend(endpoint: str, run_id: str, **conf: str) -> EtcdV3RendezvousBackend:
+    options = parse_options(endpoint, conf)
+    client = EtcdClient(options.connection, name=run_id)
+    return EtcdV3RendezvousBackend(client, run_id, options.run_prefix(run_id))
+
+
+def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    """Poll ``condition`` until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_get_state_is_none_before_first_write(etcd, run_id):
+    assert make_backend(etcd.endpoint, run_id).get_state() is None
+
+
+def test_first_write_without_token_creates_the_state(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id)
+    state, token, written = backend.set_state(b"first")
+    assert (state, written) == (b"first", True)
+    assert backend.get_state() == (b"first", token)
+
+
+def test_second_write_without_token_returns_existing_state(etcd, run_id):
+    a = make_backend(etcd.endpoint, run_id)
+    b = make_backend(etcd.endpoint, run_id)
+    _, token, _ = a.set_state(b"from a")
+    assert b.set_state(b"from b") == (b"from a", token, False)
+
+
+def test_write_with_current_token_succeeds_and_changes_token(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id)
+    _, token1, _ = backend.set_state(b"v1")
+    state, token2, written = backend.set_state(b"v2", token1)
+    assert (state, written) == (b"v2", True)
+    assert token2 != token1
+
+
+def test_stale_token_returns_current_state_and_false(etcd, run_id):
+    a = make_backend(etcd.endpoint, run_id)
+    b = make_backend(etcd.endpoint, run_id)
+    _, stale, _ = a.set_state(b"v1")
+    _, current, _ = b.set_state(b"v2", stale)
+    assert a.set_state(b"v3", stale) == (b"v2", current, False)
+    assert a.get_state() == (b"v2", current)
+
+
+def test_concurrent_writers_exactly_one_wins(etcd, run_id):
+    writers = [make_backend(etcd.endpoint, run_id) for _ in range(8)]
+    _, token, _ = writers[0].set_state(b"base")
+    barrier = threading.Barrier(len(writers))
+    results: list = [None] * len(writers)
+
+    def write(i: int) -> None:
+        barrier.wait()
+        results[i] = writers[i].set_state(f"writer {i}".encode(), token)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(writers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [r for r in results if r[2]]
+    assert len(winners) == 1
+    won_state, won_token, _ = winners[0]
+    # Every loser is handed the winner's state to merge with.
+    assert all((s, t) == (won_state, won_token) for s, t, _ in results)
+
+
+def test_concurrent_first_writers_exactly_one_creates(etcd, run_id):
+    writers = [make_backend(etcd.endpoint, run_id) for _ in range(6)]
+    barrier = threading.Barrier(len(writers))
+    results: list = [None] * len(writers)
+
+    def write(i: int) -> None:
+        barrier.wait()
+        results[i] = writers[i].set_state(f"creator {i}".encode())
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(writers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r[2] for r in results) == 1
+    assert len({(r[0], r[1]) for r in results}) == 1
+
+
+def test_runs_do_not_share_state(etcd, run_id):
+    make_backend(etcd.endpoint, run_id + "-a").set_state(b"a")
+    assert make_backend(etcd.endpoint, run_id + "-b").get_state() is None
+
+
+def test_state_expires_after_lease_ttl_without_writes(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id, lease_ttl="2")
+    backend.set_state(b"abandoned")
+    wait_until(lambda: backend.get_state() is None, 30, "the abandoned state to expire")
+
+
+def test_writes_keep_the_state_alive(etcd, run_id):
+    # Refreshing at a quarter of the TTL keeps the key while an agent heartbeats.
+    backend = make_backend(etcd.endpoint, run_id, lease_ttl="2")
+    _, token, _ = backend.set_state(b"alive")
+    lease_id = backend._client.lease_id
+    end = time.monotonic() + 4
+    while time.monotonic() < end:
+        _, token, written = backend.set_state(b"alive", token)
+        assert written
+        time.sleep(0.3)  # the agent's heartbeat interval, scaled down
+    assert backend.get_state() is not None
+    assert backend._client.lease_remaining_ttl(lease_id) > 0
+
+
+def test_state_written_after_lease_expired_gets_a_new_lease(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id, lease_ttl="2")
+    backend.set_state(b"v1")
+    old_lease = backend._client.lease_id
+    wait_until(lambda: backend.get_state() is None, 30, "the state to expire")
+    # The old lease is gone; the next write must still succeed.
+    state, _, written = backend.set_state(b"v2")
+    assert (state, written) == (b"v2", True)
+    assert backend._client.lease_id != old_lease
+
+
+def test_non_revision_token_is_a_state_error(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id)
+    with pytest.raises(RendezvousStateError, match="not an etcd revision"):
+        backend.set_state(b"x", "not-a-number")
+
+
+def test_connection_loss_raises_connection_error_naming_endpoint(etcd_private, run_id):
+    backend = make_backend(etcd_private.endpoint, run_id, retry_timeout="1")
+    backend.set_state(b"before")
+    etcd_private.stop()
+    with pytest.raises(RendezvousConnectionError, match=etcd_private.endpoint) as info:
+        backend.get_state()
+    assert info.value.__cause__ is not None
+    with pytest.raises(RendezvousConnectionError, match=etcd_private.endpoint):
+        backend.set_state(b"during", 1)
+
+
+def test_state_survives_etcd_restart_and_client_recovers(etcd_private, run_id):
+    backend = make_backend(etcd_private.endpoint, run_id)
+    _, token, _ = backend.set_state(b"kept")
+    etcd_private.stop()
+    # Restart in the background while get_state is retrying.
+    restarter = threading.Thread(target=etcd_private.start)
+    restarter.start()
+    try:
+        assert backend.get_state() == (b"kept", token)
+    finally:
+        restarter.join()
+    assert backend.set_state(b"next", token)[2]
+
+
+def test_failover_to_the_next_endpoint(etcd, run_id):
+    from etcd_server import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    backend = make_backend(f"{dead},{etcd.endpoint}", run_id, retry_timeout="20")
+    state, _, written = backend.set_state(b"via failover")
+    assert (state, written) == (b"via failover", True)
+    assert backend._client.endpoint.port == etcd.client_port
+
+
+def test_run_id_with_slash_is_rejected(etcd):
+    with pytest.raises(ValueError, match="must not contain '/'"):
+        make_backend(etcd.endpoint, "a/b")

@@ -1,0 +1,242 @@
+"""Tests of the etcd3 handler factory: options, entry point, in-process rendezvous,
+the protobuf import guard, and TLS + auth against a real etcd.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from importlib.metadata import entry_points
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from elastic_ft.rendezvous.handler import create_handler, etcd3_handler
+from elastic_ft.rendezvous.options import parse_options
+
+from etcd_server import ROOT_PASSWORD
+
+
+def params(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, **conf) -> RendezvousParameters:
+    return RendezvousParameters("etcd3", endpoint, run_id, min_nodes, max_nodes, **conf)
+
+
+# -- options ---------------------------------------------------------------------
+
+
+def test_options_defaults_and_endpoints():
+    options = parse_options("h1:2379,h2", {"endpoints": "h3:1234;h1:2379", "timeout": 900})
+    assert [str(e) for e in options.endpoints] == ["h1:2379", "h2:2379", "h3:1234"]
+    assert options.key_prefix == "/elastic_ft/rendezvous"
+    assert options.lease_ttl == 7200
+    assert options.run_prefix("r") == "/elastic_ft/rendezvous/r/"
+
+
+def test_options_validation_names_every_bad_option(tmp_path):
+    with pytest.raises(ValueError) as info:
+        parse_options(
+            "host:notaport",
+            {
+                "lease_ttl": "0",
+                "request_timeout": "soon",
+                "join_timeout": "-5",
+                "ca_cert": str(tmp_path / "missing.pem"),
+                "user": "root",
+                "key_prefix": "relative",
+                "lease_tll": "10",
+            },
+        )
+    message = str(info.value)
+    for fragment in (
+        "rdzv_endpoint: the port of endpoint 'host:notaport'",
+        "lease_ttl: '0' must be greater than 0",
+        "request_timeout: 'soon' is not a valid float",
+        "join_timeout: '-5' must be greater than 0",
+        "ca_cert: the file",
+        "user/password: give both",
+        "key_prefix: 'relative'",
+        "lease_tll: unknown option",
+    ):
+        assert fragment in message
+
+
+def test_options_accept_torch_v2_names_and_password_env(tls_files):
+    options = parse_options(
+        "127.0.0.1:1",
+        {
+            "ca_cert": tls_files.ca_cert,
+            "ssl_cert": tls_files.client_cert,
+            "ssl_cert_key": tls_files.client_key,
+            "user": "root",
+            "password_env": "ETCD_TEST_PASSWORD",
+        },
+        environ={"ETCD_TEST_PASSWORD": "pw"},
+    )
+    assert options.client_cert == tls_files.client_cert
+    assert options.password == "pw"
+    assert "pw" not in repr(options)
+
+
+def test_no_endpoint_is_an_error():
+    with pytest.raises(ValueError, match="no etcd endpoint given"):
+        parse_options("", {})
+
+
+# -- entry point and handler -----------------------------------------------------------
+
+
+def test_entry_point_is_registered_for_torchrun():
+    found = [ep for ep in entry_points(group="torchrun.handlers") if ep.name == "etcd3"]
+    assert len(found) == 1
+    assert found[0].load() is etcd3_handler
+    assert callable(etcd3_handler())
+
+
+def test_torch_registry_builds_our_handler(etcd, run_id):
+    handler = get_rendezvous_handler(params(etcd.endpoint, run_id, join_timeout="42"))
+    assert handler.get_backend() == "etcd3"
+    assert handler.get_run_id() == run_id
+    assert handler.use_agent_store is False
+
+
+def test_torch_standard_options_reach_the_dynamic_handler(etcd, run_id):
+    handler = create_handler(
+        params(
+            etcd.endpoint,
+            run_id,
+            join_timeout="42",
+            last_call_timeout="3",
+            close_timeout="7",
+            keep_alive_interval="2",
+            keep_alive_max_attempt="4",
+        )
+    )
+    settings = handler.settings
+    assert settings.timeout.join == timedelta(seconds=42)
+    assert settings.timeout.last_call == timedelta(seconds=3)
+    assert settings.timeout.close == timedelta(seconds=7)
+    assert settings.keep_alive_interval == timedelta(seconds=2)
+    assert settings.keep_alive_max_attempt == 4
+
+
+def test_handlers_in_threads_form_one_world(etcd, run_id):
+    n = 4
+    handlers = [
+        create_handler(params(etcd.endpoint, run_id, n, n, last_call_timeout="1", join_timeout="60"))
+        for _ in range(n)
+    ]
+    infos: list = [None] * n
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(info.rank for info in infos) == list(range(n))
+    assert {info.world_size for info in infos} == {n}
+    # Every node learned the same MASTER_ADDR/PORT through the etcd store.
+    assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1
+    for h in handlers:
+        h.shutdown()
+
+
+# -- protobuf import guard -------------------------------------------------------------
+
+
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_etcd3_loads_in_a_fresh_process_and_restores_the_environment():
+    result = _python(
+        "import os\n"
+        "from elastic_ft.rendezvous.etcd_client import load_etcd3\n"
+        "load_etcd3()\n"
+        "from google.protobuf.internal import api_implementation\n"
+        "print(api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["python", "None"]
+
+
+def test_protobuf_imported_with_fast_runtime_gives_a_clear_error():
+    result = _python(
+        "import google.protobuf.message\n"
+        "from google.protobuf.internal import api_implementation\n"
+        "assert api_implementation.Type() != 'python', api_implementation.Type()\n"
+        "from elastic_ft.rendezvous.etcd_client import load_etcd3\n"
+        "load_etcd3()\n"
+    )
+    assert result.returncode != 0
+    assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in result.stderr
+    assert "EtcdClientError" in result.stderr
+
+
+# -- TLS and auth ----------------------------------------------------------------------
+
+
+def tls_conf(tls_files, **extra: str) -> dict[str, str]:
+    conf = {
+        "ca_cert": tls_files.ca_cert,
+        "client_cert": tls_files.client_cert,
+        "client_key": tls_files.client_key,
+        "retry_timeout": "2",
+    }
+    conf.update(extra)
+    return conf
+
+
+def test_tls_and_auth_work_with_the_right_credentials(etcd_tls, tls_files, run_id):
+    handler = create_handler(
+        params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password=ROOT_PASSWORD))
+    )
+    backend = handler._state_holder._backend
+    state, _, written = backend.set_state(b"secure")
+    assert (state, written) == (b"secure", True)
+    assert backend.get_state()[0] == b"secure"
+    handler._store.set("k", "v")
+    assert handler._store.get("k") == b"v"
+
+
+def test_tls_and_auth_fail_clearly_without_credentials(etcd_tls, tls_files, run_id):
+    # The client certificate's common name is not an etcd user, so etcd has no
+    # identity with rights on the prefix.
+    handler = create_handler(params(etcd_tls.endpoint, run_id, **tls_conf(tls_files)))
+    with pytest.raises(RendezvousConnectionError, match="permission denied.*user and password") as info:
+        handler._state_holder._backend.get_state()
+    assert etcd_tls.endpoint in str(info.value)
+
+
+def test_tls_and_auth_fail_clearly_with_a_wrong_password(etcd_tls, tls_files, run_id):
+    handler = create_handler(
+        params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password="wrong"))
+    )
+    with pytest.raises(RendezvousConnectionError, match="user and password"):
+        handler._state_holder._backend.get_state()
+
+
+def test_tls_server_without_tls_options_fails_naming_endpoint_and_tls(etcd_tls, run_id):
+    handler = create_handler(
+        params(etcd_tls.endpoint, run_id, user="root", password=ROOT_PASSWORD, retry_timeout="1")
+    )
+    with pytest.raises(RendezvousConnectionError, match="TLS options") as info:
+        handler._state_holder._backend.get_state()
+    assert etcd_tls.endpoint in str(info.value)

@@ -1,0 +1,229 @@
+"""Contract tests of the etcd-backed torch.distributed.Store against a real etcd.
+
+TCPStore semantics where torch's agent relies on them: blocking get/wait with
+a timeout that raises DistStoreError, atomic add under contention,
+compare_set, multi_get/multi_set through torch's PrefixStore, torch's own
+barrier helper; plus keys under the run prefix, lease expiry, and waiting
+through a watch rather than polling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.utils.store import barrier
+
+from elastic_ft.rendezvous.etcd_client import EtcdClient
+from elastic_ft.rendezvous.options import parse_options
+from elastic_ft.rendezvous.store import EtcdStore
+
+
+def make_store(endpoint: str, run_id: str, timeout: float = 10, **conf: str) -> EtcdStore:
+    options = parse_options(endpoint, conf)
+    client = EtcdClient(options.connection, name=run_id)
+    return EtcdStore(client, options.run_prefix(run_id) + "store/", timedelta(seconds=timeout))
+
+
+def test_set_then_get(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    store.set("k", "v")
+    store.set("b", b"\x00\xff")
+    assert store.get("k") == b"v"
+    assert store.get("b") == b"\x00\xff"
+
+
+def test_get_blocks_until_another_client_sets(etcd, run_id):
+    reader = make_store(etcd.endpoint, run_id)
+    writer = make_store(etcd.endpoint, run_id)
+    started = threading.Event()
+
+    def write_later() -> None:
+        started.wait()
+        writer.set("late", "here")
+
+    t = threading.Thread(target=write_later)
+    t.start()
+    started.set()
+    try:
+        assert reader.get("late") == b"here"
+    finally:
+        t.join()
+
+
+def test_get_times_out_with_store_error_naming_the_key(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id, timeout=1)
+    with pytest.raises(dist.DistStoreError, match="missing-key"):
+        store.get("missing-key")
+
+
+def test_wait_uses_a_watch_not_polling(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    writer = make_store(etcd.endpoint, run_id)
+    client = store._client
+    reads = []
+    original_get = client.get
+
+    def counting_get(key):  # type: ignore[no-untyped-def]
+        reads.append(key)
+        return original_get(key)
+
+    client.get = counting_get  # type: ignore[method-assign]
+    timer = threading.Timer(1.5, writer.set, args=("watched", "1"))
+    timer.start()
+    try:
+        store.wait(["watched"], timedelta(seconds=20))
+    finally:
+        timer.join()
+    # One read to find it missing, then the watch delivers the put; a polling
+    # loop would have read it many times in 1.5 s.
+    assert len(reads) <= 2
+
+
+def test_wait_override_timeout_and_check(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id, timeout=60)
+    assert not store.check(["a", "b"])
+    store.set("a", "1")
+    assert store.check(["a"])
+    assert not store.check(["a", "b"])
+    with pytest.raises(dist.DistStoreError, match=r"\['b'\]"):
+        store.wait(["a", "b"], timedelta(seconds=1))
+    store.set("b", "2")
+    store.wait(["a", "b"])
+    assert store.check(["a", "b"])
+
+
+def test_add_is_atomic_under_contention(etcd, run_id):
+    stores = [make_store(etcd.endpoint, run_id) for _ in range(4)]
+    per_thread = 10
+    start = threading.Barrier(len(stores))
+
+    def work(store: EtcdStore) -> None:
+        start.wait()
+        for _ in range(per_thread):
+            store.add("counter", 1)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stores[0].add("counter", 0) == len(stores) * per_thread
+    assert stores[0].get("counter") == str(len(stores) * per_thread).encode()
+
+
+def test_add_negative_and_new_key(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    assert store.add("n", 5) == 5
+    assert store.add("n", -7) == -2
+
+
+def test_compare_set_follows_tcpstore(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    # Missing key with empty expectation: created.
+    assert store.compare_set("k", "", "first") == b"first"
+    # Matching expectation: replaced.
+    assert store.compare_set("k", "first", "second") == b"second"
+    # Mismatch: unchanged, current value returned.
+    assert store.compare_set("k", "first", "third") == b"second"
+    # Missing key with non-empty expectation: nothing set, expectation returned.
+    assert store.compare_set("absent", "x", "y") == b"x"
+    assert not store.check(["absent"])
+
+
+def test_multi_set_and_multi_get(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    store.multi_set(["a", "b", "c"], ["1", b"2", "3"])
+    assert store.multi_get(["c", "a", "b"]) == [b"3", b"1", b"2"]
+
+
+def test_multi_get_blocks_until_all_keys_exist(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id, timeout=1)
+    store.set("x", "1")
+    with pytest.raises(dist.DistStoreError, match="'y'"):
+        store.multi_get(["x", "y"])
+
+
+def test_delete_key_and_num_keys(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    assert store.num_keys() == 0
+    store.multi_set(["a", "b"], ["1", "2"])
+    assert store.num_keys() == 2
+    assert store.delete_key("a") is True
+    assert store.delete_key("a") is False
+    assert store.num_keys() == 1
+
+
+def test_keys_live_under_the_run_prefix(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id, key_prefix="/custom/prefix")
+    store.set("k", "v")
+    listing = etcd.etcdctl("get", "--prefix", "--keys-only", "/custom/prefix/").stdout.split()
+    assert listing == [f"/custom/prefix/{run_id}/store/k"]
+
+
+def test_store_keys_expire_with_the_lease(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id, lease_ttl="2")
+    store.set("k", "v")
+    deadline = time.monotonic() + 30
+    while store.check(["k"]):
+        assert time.monotonic() < deadline, "the store key did not expire"
+        time.sleep(0.1)
+
+
+def test_works_through_torch_prefix_store(etcd, run_id):
+    # The handler returns PrefixStore(f"torch.rendezvous.{run}.{round}", store).
+    inner = make_store(etcd.endpoint, run_id)
+    store = dist.PrefixStore("torch.rendezvous.r.0", inner)
+    store.set("MASTER_ADDR", b"host")
+    assert store.get("MASTER_ADDR") == b"host"
+    assert store.add("n", 2) == 2
+    store.multi_set(["r/0", "r/1"], ["a", "b"])
+    assert store.multi_get(["r/0", "r/1"]) == [b"a", b"b"]
+    assert store.compare_set("c", "", "x") == b"x"
+    store.set_timeout(timedelta(seconds=1))
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["never"])
+    assert inner.check(["torch.rendezvous.r.0/MASTER_ADDR"])
+
+
+def test_torch_barrier_helper_across_clients(etcd, run_id):
+    # torch's agent meets at its exit barrier through these store calls.
+    world = 4
+    stores = [make_store(etcd.endpoint, run_id) for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            barrier(stores[rank], world, key_prefix="exit/", barrier_timeout=30, rank=rank)
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_wait_survives_etcd_restart(etcd_private, run_id):
+    store = make_store(etcd_private.endpoint, run_id, timeout=60)
+    writer = make_store(etcd_private.endpoint, run_id)
+    result: list = []
+    waiting = threading.Thread(target=lambda: result.append(store.get("after-restart")))
+    waiting.start()
+    etcd_private.stop()
+    etcd_private.start()
+    writer.set("after-restart", "ok")
+    waiting.join(timeout=60)
+    assert result == [b"ok"]
+
+
+def test_store_connection_loss_is_a_store_error(etcd_private, run_id):
+    store = make_store(etcd_private.endpoint, run_id, retry_timeout="1")
+    etcd_private.stop()
+    with pytest.raises(dist.DistStoreError, match=etcd_private.endpoint):
+        store.set("k", "v")

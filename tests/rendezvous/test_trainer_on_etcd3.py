@@ -1,0 +1,71 @@
+"""The real trainer on etcd3: heterogeneous nodes (1 + 2 processes) form one world;
+the node whose worker holds rank 0 is lost (its whole process tree killed); the
+survivor re-rendezvouses, resumes from the newest checkpoint at the smaller world
+and completes, and the ledger shows every sample consumed exactly once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.config import load_spec
+from elastic_ft.events import read_events
+from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.train.cursor import take
+from tests.conftest import DEFAULT_SPEC
+from tests.rendezvous.agents import Agent, child_env, wait_for
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+
+
+def trainer_agent(endpoint: str, run_id: str, tmp: Path, nproc: int, name: str) -> Agent:
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes", "1:2", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "etcd3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--rdzv-conf", "last_call_timeout=2,join_timeout=300,keep_alive_interval=1",
+        "--max-restarts", "3", "--monitor-interval", "0.5",
+        "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", run_id,
+        "--checkpoint_uri", f"file://{tmp}/runs", "--log_dir", str(tmp / "logs"),
+        f"steps={STEPS}", "checkpoint.every_steps=4", "checkpoint.keep_last=null", "logging.ledger=true",
+        "logging.every_steps=1",
+    ]
+    return Agent(cmd, tmp / f"{name}.log", env=child_env())
+
+
+def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, tmp_path):
+    events_path = tmp_path / "logs" / "events.jsonl"
+
+    def events() -> list[dict]:
+        return read_events(str(events_path)) if events_path.exists() else []
+
+    agents = [trainer_agent(etcd.endpoint, run_id, tmp_path, nproc, f"node{nproc}") for nproc in (1, 2)]
+    try:
+        wait_for(lambda: any(e["event"] == "checkpoint_committed" for e in events()), 300,
+                 "a checkpoint committed at world size 3", agents)
+        start = next(e for e in events() if e["event"] == "start")
+        assert start["world"] == 3
+        victim = next(a for a in agents if start["pid"] in a.descendants())
+        survivor = next(a for a in agents if a is not victim)
+        victim.kill_tree()
+        assert survivor.wait(timeout=400) == 0, survivor.tail()
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill_tree()
+
+    log = events()
+    starts = [e for e in log if e["event"] == "start"]
+    expected_world = 1 if victim is agents[1] else 2
+    assert [s["world"] for s in starts][0] == 3 and starts[-1]["world"] == expected_world
+    resumed = [e for e in log if e["event"] == "resume_plan"][-1]
+    assert resumed["step"] > 0, "the survivor did not resume from a checkpoint"
+    assert log[-1]["event"] == "end" and log[-1]["step"] == STEPS
+    history = replay(log)
+    assert check_exactly_once(history, 1024) == []
+    consumed = [p for step in sorted(history) for p in history[step]]
+    assert consumed == take(0, STEPS * 32, 1024, load_spec(DEFAULT_SPEC).seed)
