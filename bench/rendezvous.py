@@ -34,6 +34,7 @@ import os
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,13 +104,24 @@ def time_rendezvous(make_params, n: int) -> float:  # type: ignore[no-untyped-de
 
 
 def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str) -> None:
-    import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     tcp_port = _free_port()
-    # The host node's TCPStore; every c10d handler connects to it as a client.
-    server = dist.TCPStore("127.0.0.1", tcp_port, is_master=True, multi_tenant=True,
-                           wait_for_workers=False)
+    # The host node's TCPStore, in a process of its own: every c10d handler connects
+    # to it as a client. Not a thread of this process, which forks the handlers: a
+    # fork while the server thread holds a lock can deadlock the child (seen at N=8
+    # and N=32 as a member that never reached the start barrier).
+    server = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, torch.distributed as d\n"
+         "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, multi_tenant=True, wait_for_workers=False)\n"
+         "print('ready', flush=True)\n"
+         "sys.stdin.read()\n",
+         str(tcp_port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    if server.stdout.readline().strip() != "ready":
+        raise RuntimeError("the c10d TCPStore server process did not start")
 
     def params_for(backend: str, run_id: str, n: int):  # type: ignore[no-untyped-def]
         if backend == "etcd3":
@@ -127,7 +139,8 @@ def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str) -> None:
             medians[backend] = statistics.median(runs)
         print(f"{n:>4} {medians['c10d']:>9.2f} {medians['etcd3']:>9.2f} "
               f"{medians['etcd3'] / medians['c10d']:>11.2f}", flush=True)
-    del server
+    server.stdin.close()  # the server exits at end of input
+    server.wait(timeout=30)
 
 
 _TS = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+)")
