@@ -94,6 +94,20 @@ class Agent:
             return []
 
 
+def stop_leftovers(agents: list[Agent]) -> None:
+    """Kill every agent still running (a test's ``finally``: nothing outlives it)."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill_tree()
+
+
+def lose_node(victim: Agent, survivors: list[Agent], timeout: float) -> None:
+    """Kill ``victim``'s whole process tree, like a lost machine; every survivor must finish with 0."""
+    victim.kill_tree()
+    for agent in survivors:
+        assert agent.wait(timeout=timeout) == 0, agent.tail()
+
+
 def torchrun_agent(
     endpoint: str,
     run_id: str,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agents import Agent, child_env, read_jsonl, torchrun_agent, wait_for
+from agents import Agent, child_env, lose_node, read_jsonl, stop_leftovers, torchrun_agent, wait_for
 from etcd_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -75,14 +75,9 @@ def test_node_holding_rank_0_lost_mid_training_survivors_continue(etcd, run_id, 
         victim = next(a for a in agents if a.pid == victim_pid)
         survivors = [a for a in agents if a is not victim]
         step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
-        victim.kill_tree()
-
-        for agent in survivors:
-            assert agent.wait(timeout=240) == 0, agent.tail()
+        lose_node(victim, survivors, timeout=240)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill_tree()
+        stop_leftovers(agents)
 
     records = read_jsonl(tmp_path / "steps.jsonl")
     assert records[-1]["step"] == steps
@@ -117,13 +112,9 @@ def test_node_joins_running_job_then_another_node_is_lost(etcd, run_id, tmp_path
         victim = next(a for a in agents if a.pid == victim_pid)
         survivors = [a for a in agents if a is not victim]
         step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
-        victim.kill_tree()
-        for agent in survivors:
-            assert agent.wait(timeout=240) == 0, agent.tail()
+        lose_node(victim, survivors, timeout=240)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill_tree()
+        stop_leftovers(agents)
     records = read_jsonl(tmp_path / "steps.jsonl")
     assert records[-1]["step"] == steps
     assert {r["step"] for r in records} == set(range(1, steps + 1))
@@ -152,9 +143,7 @@ def test_training_continues_across_an_etcd_restart(etcd_private, run_id, tmp_pat
         for agent in agents:
             assert agent.wait(timeout=240) == 0, agent.tail()
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill_tree()
+        stop_leftovers(agents)
     records = read_jsonl(tmp_path / "steps.jsonl")
     assert records[-1]["step"] == steps
 
@@ -167,8 +156,7 @@ def test_unreachable_etcd_at_start_fails_clearly_within_join_timeout(run_id, tmp
     try:
         code = agent.wait(timeout=join_timeout)
     finally:
-        if agent.poll() is None:
-            agent.kill_tree()
+        stop_leftovers([agent])
     assert code != 0
     log = agent.tail(20000)
     assert f"no etcd endpoint ({endpoint}) answered" in log
@@ -207,9 +195,7 @@ def test_heterogeneous_nodes_via_torchx_component(etcd, run_id, tmp_path):
         for run in runs:
             assert run.wait(timeout=400) == 0, run.tail()
     finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill_tree()
+        stop_leftovers(runs)
     recorded = read_jsonl(events / "events.jsonl")
     assert [e["world"] for e in recorded if e["event"] == "start"] == [3]
     assert [e["step"] for e in recorded if e["event"] == "end"] == [2]

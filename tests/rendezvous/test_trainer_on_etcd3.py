@@ -15,7 +15,7 @@ from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC
-from tests.rendezvous.agents import Agent, child_env, wait_for
+from tests.rendezvous.agents import Agent, child_env, lose_node, stop_leftovers, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +51,9 @@ def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, t
         assert start["world"] == 3
         victim = next(a for a in agents if start["pid"] in a.descendants())
         survivor = next(a for a in agents if a is not victim)
-        victim.kill_tree()
-        assert survivor.wait(timeout=400) == 0, survivor.tail()
+        lose_node(victim, [survivor], timeout=400)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill_tree()
+        stop_leftovers(agents)
 
     log = events()
     starts = [e for e in log if e["event"] == "start"]
