@@ -32,7 +32,6 @@ import functools
 import logging
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,11 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "rendezvous"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port  # noqa: E402  (after the path set-up above)
 
 
 def _member(make_params, ready, results) -> None:  # type: ignore[no-untyped-def]
@@ -106,7 +101,7 @@ def time_rendezvous(make_params, n: int) -> float:  # type: ignore[no-untyped-de
 def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    tcp_port = _free_port()
+    tcp_port = free_port()
     # The host node's TCPStore, in a process of its own: every c10d handler connects
     # to it as a client. Not a thread of this process, which forks the handlers: a
     # fork while the server thread holds a lock can deadlock the child (seen at N=8

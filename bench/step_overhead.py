@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,11 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port  # noqa: E402  (after the path set-up above)
 
 
 class Baseline:
@@ -162,7 +157,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="elastic-ft-bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         t0 = time.monotonic()
-        mp.spawn(_worker, args=(args, _free_port(), tmp, result_path), nprocs=args.world, join=True)
+        mp.spawn(_worker, args=(args, free_port(), tmp, result_path), nprocs=args.world, join=True)
         import json
 
         with open(result_path) as f:

@@ -183,6 +183,7 @@ class Trainer:
     def resume(self) -> ResumePlan:
         """Load the newest verified checkpoint the leader chooses; every rank loads the same one."""
         decision = None
+        loaded: LoadedCheckpoint | None = None
         if self.world.is_leader:
             try:
                 loaded, skipped = load_newest(self.store, self.opts.run_id)
@@ -194,9 +195,9 @@ class Trainer:
         status, key, skipped = broadcast_from_leader(self.world, decision)
         if status == "error":
             raise RunAborted(f"cannot resume run {self.opts.run_id!r}: {key}")
-        loaded: LoadedCheckpoint | None = None
         if key is not None:
-            loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
+            if loaded is None:  # the leader already fetched and verified it while choosing
+                loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
             model_mod.load_trainable_state(self.model, loaded.tensors["model"])
             load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor

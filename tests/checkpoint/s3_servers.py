@@ -24,14 +24,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from tests.ports import free_port
+
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_with_grpc(offset: int = 10000) -> int:
