@@ -54,10 +54,6 @@ class Snapshot:
     scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for group in self.tensors.values() for t in group.values())
-
 
 def snapshot(step: int, cursor: int, tensors: dict[str, dict[str, torch.Tensor]], **fields) -> Snapshot:
     """Copy ``tensors`` to contiguous CPU memory (detached, so training may mutate the originals)."""
