@@ -1,23 +1,34 @@
 """Rendezvous time of the etcd3 backend against torch's c10d backend.
 
-For each N (default 2, 8, 32, 64), N rendezvous handlers, one per process
-forked from this one (no training workers), join one rendezvous with
-min = max = N. The clock starts when every handler is built (torch and etcd3
-imported, etcd connection configured) and all processes are released at once
-from a barrier; it stops when the last ``next_rendezvous()`` returns. The time therefore
-includes what a real round includes: the state compare-and-set traffic, the
-1 s re-sync polls of torch's dynamic rendezvous, and the MASTER_ADDR exchange
-through the backend's store.
+For each N (default 2, 8, 32, 64), N rendezvous handlers (no training workers)
+join one rendezvous with min = max = N. The clock starts when every handler is
+built (torch and etcd3 imported, the backend connected, as torch's c10d backend
+connects its TCPStore client when built) and all are released at once from a
+barrier; it stops when the last ``next_rendezvous()`` returns. The time
+therefore includes what a real round includes: the state compare-and-set
+traffic, the 1 s re-sync polls of torch's dynamic rendezvous, and the
+MASTER_ADDR exchange through the backend's store.
+
+Two ways to host the N handlers, as the issue allows; both are printed:
+
+- processes: one forked process per handler, like one agent per node. On a
+  small machine this measures CPU per request above all: 64 processes share
+  the cores, so every compare-and-set cycle waits for CPU, and a gRPC call
+  costs the Python client about 1 ms of CPU where a TCPStore call costs 0.3 ms.
+- threads: one process hosts all N handlers, each on its own thread (as
+  torch's own rendezvous tests do). The Python work of all handlers shares one
+  interpreter lock, and the clients' network work runs outside it.
 
 - etcd3: each handler has its own etcd client (its own gRPC channel), like a
   node; one local etcd member (started here on free ports, or --etcd-endpoint).
 - c10d: torch's backend; one TCPStore server started here, as the host node
   would, and every handler a client of it.
 
-Each (backend, N) runs --repeats times (fresh run id each); the median is
+Each (mode, backend, N) runs --repeats times (fresh run id each); the median is
 printed, then the ratio etcd3/c10d. Targets (issue 4): ratio <= 1.5, 64 under 10 s.
 
-    python bench/rendezvous.py [--sizes 2,8,32,64] [--repeats 3] [--etcd-endpoint HOST:PORT]
+    python bench/rendezvous.py [--sizes 2,8,32,64] [--repeats 3] [--modes processes,threads]
+                               [--etcd-endpoint HOST:PORT]
 
 With --node-loss it also times, with real torchrun agents and the gloo test
 job, the path from a node loss to the first step of the smaller world, in
@@ -68,13 +79,10 @@ def _member(make_params, ready, results) -> None:  # type: ignore[no-untyped-def
         os._exit(0)
 
 
-def time_rendezvous(make_params, n: int) -> float:  # type: ignore[no-untyped-def]
+def time_in_processes(make_params, n: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds for ``n`` handlers, one per forked process, to complete one round.
 
-    Processes rather than threads: every node is its own process in real
-    life, and the etcd client (pure-Python protobuf) would otherwise compete
-    for one GIL, which c10d's C++ TCPStore client mostly releases. Forking
-    after torch is imported keeps 64 members cheap in memory.
+    Forking after torch is imported keeps 64 members cheap in memory.
     """
     import multiprocessing as mp
 
@@ -98,7 +106,50 @@ def time_rendezvous(make_params, n: int) -> float:  # type: ignore[no-untyped-de
     return max(t for _, t, _ in outcomes) - start
 
 
-def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str) -> None:
+def time_in_threads(make_params, n: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds for ``n`` handlers, one thread each in this process, to complete one round."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    handlers = [get_rendezvous_handler(make_params()) for _ in range(n)]
+    ready = threading.Barrier(n + 1)
+    outcomes: list[tuple[int, float, str | None]] = []
+
+    def member(handler) -> None:  # type: ignore[no-untyped-def]
+        ready.wait()
+        try:
+            outcomes.append((handler.next_rendezvous().rank, time.time(), None))
+        except BaseException as exc:  # reported below
+            outcomes.append((-1, time.time(), repr(exc)))
+
+    threads = [threading.Thread(target=member, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    ready.wait(timeout=300)
+    start = time.time()
+    for t in threads:
+        t.join(timeout=180)
+    # Off the clock: close the round, so that the handlers' heartbeat threads
+    # stop and do not load the next measurement.
+    closers = [threading.Thread(target=h.shutdown, daemon=True) for h in handlers]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(timeout=120)
+    errors = [e for _, _, e in outcomes if e]
+    if errors or len(outcomes) != n:
+        raise RuntimeError(f"{n - len(outcomes) + len(errors)} of {n} members failed: {errors[:1]}")
+    ranks = sorted(r for r, _, _ in outcomes)
+    if ranks != list(range(n)):
+        raise RuntimeError(f"ranks {ranks} are not 0..{n - 1}")
+    return max(t for _, t, _ in outcomes) - start
+
+
+MODES = {"processes": time_in_processes, "threads": time_in_threads}
+
+
+def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str, modes: list[str]) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     tcp_port = free_port()
@@ -122,18 +173,24 @@ def bench_handlers(sizes: list[int], repeats: int, etcd_endpoint: str) -> None:
         if backend == "etcd3":
             return functools.partial(RendezvousParameters, "etcd3", etcd_endpoint, run_id, n, n,
                                      join_timeout="120")
+        # The etcd3 handler sets this in the process that builds it (threads mode);
+        # c10d runs as torch runs it by default, the rank-0 handler hosting a store.
+        os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         return functools.partial(RendezvousParameters, "c10d", f"127.0.0.1:{tcp_port}", run_id, n, n,
                                  is_host="false", join_timeout="120")
 
-    print(f"{'N':>4} {'c10d s':>9} {'etcd3 s':>9} {'etcd3/c10d':>11}")
-    for n in sizes:
-        medians = {}
-        for backend in ("c10d", "etcd3"):
-            runs = [time_rendezvous(params_for(backend, f"bench-{backend}-{n}-{uuid.uuid4().hex[:8]}", n), n)
-                    for _ in range(repeats)]
-            medians[backend] = statistics.median(runs)
-        print(f"{n:>4} {medians['c10d']:>9.2f} {medians['etcd3']:>9.2f} "
-              f"{medians['etcd3'] / medians['c10d']:>11.2f}", flush=True)
+    print(f"{'mode':>9} {'N':>4} {'c10d s':>9} {'etcd3 s':>9} {'etcd3/c10d':>11}")
+    # Processes first: threads mode leaves gRPC channels and TCPStore servers in
+    # this process, and forking after that is unsafe.
+    for mode in sorted(modes, key=list(MODES).index):
+        for n in sizes:
+            medians = {}
+            for backend in ("c10d", "etcd3"):
+                runs = [MODES[mode](params_for(backend, f"bench-{backend}-{n}-{uuid.uuid4().hex[:8]}", n), n)
+                        for _ in range(repeats)]
+                medians[backend] = statistics.median(runs)
+            print(f"{mode:>9} {n:>4} {medians['c10d']:>9.2f} {medians['etcd3']:>9.2f} "
+                  f"{medians['etcd3'] / medians['c10d']:>11.2f}", flush=True)
     server.stdin.close()  # the server exits at end of input
     server.wait(timeout=30)
 
@@ -195,9 +252,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2,8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="processes,threads", help="how to host the handlers: processes, threads or both")
     parser.add_argument("--etcd-endpoint", default=None, help="use this etcd instead of starting one")
     parser.add_argument("--node-loss", action="store_true", help="also time node loss -> first step")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes {args.modes!r}: give processes, threads, or both separated by a comma")
     # The handlers log every state change at INFO; keep the table readable.
     logging.basicConfig(level=logging.ERROR)
 
@@ -213,9 +274,9 @@ def main() -> None:
         server = EtcdServer(Path(tmp) / "data").start()
         endpoint = server.endpoint
     try:
-        print(f"torch dynamic rendezvous, N handlers as forked processes; etcd at {endpoint}; "
+        print(f"torch dynamic rendezvous, N handlers; etcd at {endpoint}; "
               f"median of {args.repeats}; {os.cpu_count()} CPUs")
-        bench_handlers([int(s) for s in args.sizes.split(",")], args.repeats, endpoint)
+        bench_handlers([int(s) for s in args.sizes.split(",")], args.repeats, endpoint, modes)
         if args.node_loss:
             bench_node_loss(endpoint)
     finally:

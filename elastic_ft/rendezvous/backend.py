@@ -61,7 +61,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         try:
             current, _ = self._client.get(self._key)
         except EtcdClientError as exc:
-            raise _connection_error(exc, self._client) from exc
+            raise connection_error(exc) from exc
         return None if current is None else (current.value, current.mod_revision)
 
     def set_state(
@@ -82,7 +82,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         try:
             written, current = self._client.compare_and_put(self._key, state, revision)
         except EtcdClientError as exc:
-            raise _connection_error(exc, self._client) from exc
+            raise connection_error(exc) from exc
         if current is None:
             # The compare failed and the key is gone (expired or deleted between
             # our read and write): there is no state to return.
@@ -94,6 +94,7 @@ def _as_result(current: KeyValue, written: bool) -> tuple[bytes, Token, bool]:
     return current.value, current.mod_revision, written
 
 
-def _connection_error(exc: EtcdClientError, client: EtcdClient) -> RendezvousConnectionError:
-    # The client's messages already name the endpoint(s) and what to do.
+def connection_error(exc: EtcdClientError) -> RendezvousConnectionError:
+    """torch's error for a failed etcd call; the client's message already names
+    the endpoint(s) and what to do."""
     return RendezvousConnectionError(f"The etcd3 rendezvous backend failed: {exc}")

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import tenacity
 
@@ -270,25 +270,51 @@ class EtcdClient:
         """Close the connection; the client reconnects if used again."""
         self._drop_connection(failover=False)
 
+    def open(self) -> None:
+        """Connect and grant this client's lease now, under the usual retries.
+
+        The rendezvous handler calls it when it is built, as torch's c10d
+        backend connects its TCPStore client then: a wrong endpoint or
+        credentials fail at start, and the first rendezvous round does not
+        pay for the connection and the lease grant while every node races.
+        """
+        self._call("connect", self._lease)
+
+    def _attempt(self, fn: Callable[[Any], T]) -> T:
+        """One try of ``fn(client)``, turning connection faults into reconnects."""
+        client = self._connect()
+        try:
+            return fn(client)
+        except Exception as exc:
+            if _is_auth_token_error(exc):
+                # etcd's simple tokens expire (5 min by default) and die with
+                # a restart; a new connection authenticates again.
+                self._drop_connection(failover=False)
+                raise _AuthTokenExpired(_grpc_details(exc)) from exc
+            if _is_transient(exc):
+                self._drop_connection(failover=True)
+            raise
+
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run ``fn(client)`` with bounded retries of transient faults."""
-        attempts = 0
+        try:
+            # The first try without tenacity's bookkeeping: a rendezvous of many
+            # nodes is CPU-bound on small machines, and this is its hot path.
+            return self._attempt(fn)
+        except Exception as exc:
+            if not _is_transient(exc):
+                self._raise_final(what, exc, attempts=1)
+            first: Exception | None = exc
+        attempts = 1
 
         def attempt() -> T:
-            nonlocal attempts
+            # tenacity's attempt 1 is the failure above, so it logs and backs off first.
+            nonlocal attempts, first
+            if first is not None:
+                failed, first = first, None
+                raise failed
             attempts += 1
-            client = self._connect()
-            try:
-                return fn(client)
-            except Exception as exc:
-                if _is_auth_token_error(exc):
-                    # etcd's simple tokens expire (5 min by default) and die with
-                    # a restart; a new connection authenticates again.
-                    self._drop_connection(failover=False)
-                    raise _AuthTokenExpired(_grpc_details(exc)) from exc
-                if _is_transient(exc):
-                    self._drop_connection(failover=True)
-                raise
+            return self._attempt(fn)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -312,19 +338,22 @@ class EtcdClient:
         try:
             return retrying(attempt)
         except Exception as exc:
-            if _is_transient(exc):
-                raise EtcdUnavailableError(
-                    f"etcd {what} failed: no etcd endpoint ({self._settings.endpoints_text}) "
-                    f"answered after {attempts} attempts over {self._settings.retry_timeout:g} s "
-                    f"(last error: {_describe(exc)}). Check that etcd is running and reachable at "
-                    f"that address, and that the TLS options match the server."
-                ) from exc
-            if isinstance(exc, (EtcdClientError, ValueError)):
-                raise
-            raise EtcdClientError(
-                f"etcd {what} at {self.endpoint} failed: {_describe(exc)}. "
-                f"{_hint(exc)}"
+            self._raise_final(what, exc, attempts)
+
+    def _raise_final(self, what: str, exc: Exception, attempts: int) -> NoReturn:
+        """Raise the error ``_call`` ends with when ``exc`` failed the last of ``attempts`` tries."""
+        if _is_transient(exc):
+            raise EtcdUnavailableError(
+                f"etcd {what} failed: no etcd endpoint ({self._settings.endpoints_text}) "
+                f"answered after {attempts} attempts over {self._settings.retry_timeout:g} s "
+                f"(last error: {_describe(exc)}). Check that etcd is running and reachable at "
+                f"that address, and that the TLS options match the server."
             ) from exc
+        if isinstance(exc, (EtcdClientError, ValueError)):
+            raise exc
+        raise EtcdClientError(
+            f"etcd {what} at {self.endpoint} failed: {_describe(exc)}. {_hint(exc)}"
+        ) from exc
 
     # -- key/value operations --------------------------------------------------
 

@@ -5,7 +5,9 @@ torchrun calls :func:`etcd3_handler` (no arguments) when it loads its
 out-of-tree backends, for every run whatever backend is chosen, so it only
 returns :func:`create_handler` and imports nothing heavy. ``create_handler``
 runs when ``--rdzv-backend=etcd3`` is actually used: it parses ``--rdzv-conf``,
-connects to etcd (importing python-etcd3 then) and returns torch's own
+connects to etcd (importing python-etcd3 then; an unreachable endpoint fails
+here, as torch's c10d backend fails when its TCPStore does not answer) and
+returns torch's own
 :class:`DynamicRendezvousHandler` over our backend and store.
 """
 
@@ -77,9 +79,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     Raises:
         ValueError: an invalid ``--rdzv-conf`` option (all of them listed).
         EtcdClientError: python-etcd3 cannot be imported (protobuf runtime).
+        RendezvousConnectionError: no endpoint answered within ``retry_timeout``
+            (it names them), or etcd refused the credentials.
     """
-    from .backend import EtcdV3RendezvousBackend
-    from .etcd_client import EtcdClient
+    from .backend import EtcdV3RendezvousBackend, connection_error
+    from .etcd_client import EtcdClient, EtcdClientError
     from .options import parse_options
     from .store import EtcdStore
 
@@ -89,6 +93,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         os.environ[_SHARE_STORE_ENV] = "1"
 
     client = EtcdClient(options.connection, name=params.run_id)
+    try:
+        client.open()
+    except EtcdClientError as exc:
+        raise connection_error(exc) from exc
     run_prefix = options.run_prefix(params.run_id)
     backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix)
     store = EtcdStore(client, run_prefix + "store/")
