@@ -54,11 +54,14 @@ from typing import Any, TypeVar
 
 from elastic_ft.checkpoint.store import (
     BlobMismatch,
+    Data,
     ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     ObjectStore,
+    Segments,
     StoreError,
+    as_segments,
 )
 
 log = logging.getLogger(__name__)
@@ -407,14 +410,14 @@ class S3Store(ObjectStore):
 
     # -- put --------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+    def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         s3key = self._s3key(key)
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        segments = as_segments(data)
         try:
-            if len(view) >= self.multipart_threshold:
-                self._put_multipart(key, s3key, view, if_absent)
+            if len(segments) >= self.multipart_threshold:
+                self._put_multipart(key, s3key, segments, if_absent)
             else:
-                self._put_single(key, s3key, bytes(view), if_absent)
+                self._put_single(key, s3key, segments.tobytes(), if_absent)
         except StoreError:
             raise
         except Exception as exc:
@@ -431,7 +434,7 @@ class S3Store(ObjectStore):
             args["IfNoneMatch"] = "*"
         self._retry("put", key, lambda: self.client.put_object(**args))
 
-    def _put_multipart(self, key: str, s3key: str, view: bytes | memoryview, if_absent: bool) -> None:
+    def _put_multipart(self, key: str, s3key: str, segments: Segments, if_absent: bool) -> None:
         # Mirror boto3's own upload_file (s3transfer): when the client computes
         # checksums by default, declare CRC32 for the upload and hand every
         # part's checksum back on completion, so S3 verifies each part's bytes.
@@ -444,13 +447,13 @@ class S3Store(ObjectStore):
         )
         upload_id = created["UploadId"]
         try:
-            mv = memoryview(view)
             # S3 allows at most 10,000 parts: grow the part size for huge objects.
-            part_size = max(self.part_size, -(-len(mv) // 10_000))
-            offsets = list(range(0, len(mv), part_size))
+            part_size = max(self.part_size, -(-len(segments) // 10_000))
+            offsets = list(range(0, len(segments), part_size))
 
             def upload(number: int, offset: int) -> dict[str, Any]:
-                body = bytes(mv[offset : offset + part_size])  # copied in the worker: at most max_concurrency at once
+                # Gathered in the worker: at most max_concurrency parts in memory at once.
+                body = segments.read(offset, part_size)
                 out = self._retry(
                     f"upload part {number}",
                     key,

@@ -13,11 +13,14 @@ of ``s3://`` and would change a key's meaning between backends.
 from __future__ import annotations
 
 import abc
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import os
 import tempfile
 import urllib.parse
+from typing import Iterable, Union
 
 
 class StoreError(Exception):
@@ -46,6 +49,50 @@ class ObjectInfo:
     mtime: float
 
 
+class Segments:
+    """Bytes held as consecutive buffers: a blob's header, then each tensor's memory.
+
+    A blob built this way goes to storage without first being joined into one
+    buffer (a copy of the whole checkpoint, and as much memory again): a file
+    gets each buffer written in turn, and an S3 multipart upload gathers each
+    part from the buffers it spans. The buffers must not change until the put
+    returns.
+    """
+
+    def __init__(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
+        self.buffers = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
+        self._starts = [0, *itertools.accumulate(len(b) for b in self.buffers)]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``offset .. offset + size`` (clipped to the end), gathered in one copy."""
+        end = min(offset + size, len(self))
+        i = bisect.bisect_right(self._starts, offset) - 1
+        pieces = []
+        while offset < end:
+            buf, start = self.buffers[i], self._starts[i]
+            take = buf[offset - start : min(end - start, len(buf))]
+            pieces.append(take)
+            offset += len(take)
+            i += 1
+        if len(pieces) == 1 and isinstance(pieces[0].obj, bytes) and len(pieces[0]) == len(pieces[0].obj):
+            return pieces[0].obj  # the whole of an immutable buffer: no copy needed
+        return b"".join(pieces)
+
+    def tobytes(self) -> bytes:
+        return self.read(0, len(self))
+
+
+Data = Union[bytes, bytearray, memoryview, Segments]
+"""What ``put`` takes: one buffer, or :class:`Segments`."""
+
+
+def as_segments(data: Data) -> Segments:
+    return data if isinstance(data, Segments) else Segments([data])
+
+
 class ObjectStore(abc.ABC):
     """Immutable-blob storage rooted at one URI (a run's checkpoint location).
 
@@ -65,7 +112,7 @@ class ObjectStore(abc.ABC):
     uri: str
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+    def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically."""
 
     @abc.abstractmethod
@@ -102,8 +149,11 @@ class BlobMismatch(StoreError):
     """A blob's bytes do not match the size or sha256 its manifest recorded."""
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_hex(data: Data) -> str:
+    digest = hashlib.sha256()
+    for buf in as_segments(data).buffers:
+        digest.update(buf)  # releases the GIL for large buffers
+    return digest.hexdigest()
 
 
 def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str) -> None:
@@ -134,14 +184,15 @@ class LocalStore(ObjectStore):
             raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
         return os.path.join(self.root, *parts)
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+    def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         path = self._path(key)
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for buf in as_segments(data).buffers:
+                    f.write(buf)
                 f.flush()
                 os.fsync(f.fileno())
             if if_absent:
@@ -244,6 +295,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
+    "Segments",
     "StoreError",
     "UnsupportedURI",
     "check_blob",

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, StoreError
+from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, Segments, StoreError
 
 MiB = 1 << 20
 
@@ -126,6 +126,17 @@ def test_store_large_blob_multipart_and_ranged_verified(backend):
     if backend.endpoint is not None:
         # A multipart object's ETag is "<md5 of part md5s>-<part count>".
         assert backend.s3_head("blobs/5-n/model.safetensors")["ETag"].strip('"').endswith("-3")
+
+
+@pytest.mark.parametrize("size", [100, 12 * MiB + 3])
+def test_store_put_of_segments_stores_their_concatenation(backend, size):
+    # How the writer uploads tensors without serialising them first: on S3 the
+    # large case's multipart parts each span several buffers.
+    data = os.urandom(size)
+    cuts = sorted({0, size, *(int(size * f) for f in (0.1, 0.3, 0.31, 0.7))})
+    segments = Segments([data[a:b] for a, b in zip(cuts, cuts[1:])])
+    backend.store.put("blobs/6-s/model.safetensors", segments)
+    assert backend.store.get("blobs/6-s/model.safetensors") == data
 
 
 def test_store_large_blob_if_absent(backend):
