@@ -50,15 +50,19 @@ def read_manifest(store: ObjectStore, key: str, *, run_id: str | None = None) ->
     return parse_manifest(store.get(key), key=key, expected_run_id=run_id)
 
 
+_IN_FLIGHT = 4
+
+
 def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     """Fetch and verify every blob of ``manifest``; raises :class:`StoreError` naming the first bad one."""
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     documents: dict[str, Any] = {}
     refs = iter(sorted(manifest.blobs.items()))
-    # Two blobs in flight: the next downloads (its parts in parallel, in the
-    # store) while this one is parsed; never more, so memory stays at about
-    # two raw blobs on top of the loaded tensors.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-load") as pool:
+    # A few blobs in flight: the next download (its parts in parallel, in the
+    # store) while this one is parsed, and small blobs beside large ones. The
+    # loaded tensors are views of the downloaded buffers, so this costs no
+    # memory beyond the result.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_IN_FLIGHT, thread_name_prefix="ckpt-load") as pool:
         pending: collections.deque = collections.deque()
 
         def fetch_next() -> None:
@@ -67,8 +71,8 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 ref = item[1]
                 pending.append((item, pool.submit(store.get_verified, ref.key, size=ref.size, sha256=ref.sha256)))
 
-        fetch_next()
-        fetch_next()
+        for _ in range(_IN_FLIGHT):
+            fetch_next()
         try:
             while pending:
                 (name, ref), fetch = pending.popleft()

@@ -562,13 +562,22 @@ class S3Store(ObjectStore):
         raise AssertionError("unreachable")
 
     def _get_range(
-        self, key: str, s3key: str, start: int, end: int, etag: str | None, what: str, into: memoryview | None = None
+        self,
+        key: str,
+        s3key: str,
+        start: int,
+        end: int,
+        etag: str | None,
+        what: str,
+        into: memoryview | None = None,
+        expect_total: int | None = None,
     ) -> tuple[bytes | None, dict]:
         """GET bytes ``start..end`` (inclusive); retried as a whole, truncation included.
 
         With ``into`` (a view of exactly ``end - start + 1`` bytes) the body is read
         straight into it and ``None`` is returned for the data: a large download
-        then costs one copy of its bytes, not a part copy plus a join.
+        then costs one copy of its bytes, not a part copy plus a join. With
+        ``expect_total``, an object of another size raises :class:`BlobMismatch`.
         """
 
         def once() -> tuple[bytes, dict]:
@@ -584,6 +593,11 @@ class S3Store(ObjectStore):
             body = resp["Body"]
             declared = resp.get("ContentLength")
             try:
+                if expect_total is not None and _total_size(resp, -1) != expect_total:
+                    raise BlobMismatch(
+                        f"blob {key!r} ({self.join(key)}) has {_total_size(resp, -1)} bytes "
+                        f"but its manifest records {expect_total}"
+                    )
                 if into is not None:
                     if declared is not None and declared != len(into):
                         raise StoreError(
@@ -614,6 +628,8 @@ class S3Store(ObjectStore):
         self, key: str, s3key: str, expect_size: int | None, *, hashing: bool
     ) -> tuple[bytes, str | None]:
         chunk = self.download_part_size
+        if expect_size is not None and expect_size > chunk:
+            return self._download_known_size(key, s3key, expect_size, hashing=hashing)
         try:
             first, resp = self._get_range(key, s3key, 0, chunk - 1, None, "get")
         except Exception as exc:
@@ -662,6 +678,46 @@ class S3Store(ObjectStore):
                 f.cancel()
             concurrent.futures.wait(futures)
             raise
+        return buf, (hasher.hexdigest() if hasher else None)
+
+    def _download_known_size(
+        self, key: str, s3key: str, size: int, *, hashing: bool
+    ) -> tuple[bytearray, str | None]:
+        """Every ranged GET at once, the manifest giving the size: no first request
+        alone to learn it. The answers must agree with the manifest on the size,
+        and with each other on the ETag (else the object changed mid-download)."""
+        chunk = self.download_part_size
+        ranges = [(off, min(off + chunk, size) - 1) for off in range(0, size, chunk)]
+        buf = bytearray(size)
+        view = memoryview(buf)
+        hasher = hashlib.sha256() if hashing else None
+        pool = self._executor()
+        futures = [
+            pool.submit(self._get_range, key, s3key, a, b, None, "get" if i == 1 else f"get part {i}", view[a : b + 1], size)
+            for i, (a, b) in enumerate(ranges, start=1)
+        ]
+        etags = set()
+        try:
+            # Hash in order as parts complete: later parts keep downloading meanwhile.
+            for (a, b), fut in zip(ranges, futures):
+                try:
+                    _, resp = fut.result()
+                except Exception as exc:
+                    if _status(exc) == 416:  # a range past the end: the object is smaller
+                        raise BlobMismatch(
+                            f"blob {key!r} ({self.join(key)}) is shorter than the {size} bytes its manifest records"
+                        ) from exc
+                    raise
+                etags.add(resp.get("ETag"))
+                if hasher is not None:
+                    hasher.update(view[a : b + 1])
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+            raise
+        if len(etags) > 1:
+            raise _ObjectChanged()
         return buf, (hasher.hexdigest() if hasher else None)
 
     def _get_whole(self, key: str, s3key: str) -> tuple[bytes, dict]:
