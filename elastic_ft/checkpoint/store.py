@@ -116,10 +116,15 @@ class ObjectStore(abc.ABC):
         """Write ``data`` at ``key`` atomically."""
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes:
-        """Return the whole object at ``key``."""
+    def get(self, key: str) -> bytes | memoryview:
+        """Return the whole object at ``key``.
 
-    def get_verified(self, key: str, *, size: int, sha256: str) -> bytes:
+        Large objects may come back as a writable ``memoryview`` of a buffer the
+        download filled in place (S3), so that the loader can view tensors in it
+        without a second copy.
+        """
+
+    def get_verified(self, key: str, *, size: int, sha256: str) -> bytes | memoryview:
         """Return the object at ``key`` after checking its size and sha256.
 
         Backends that stream may override this to hash while downloading; the

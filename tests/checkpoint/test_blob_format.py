@@ -60,14 +60,19 @@ def _safetensors_save(tensors):
     return save_safetensors({k: t.contiguous() for k, t in tensors.items()})  # it refuses strided input
 
 
-@pytest.mark.parametrize("make", [bytearray, bytes], ids=["bytearray", "bytes"])
+def _writable_view(data):
+    return memoryview(bytearray(data))  # what the S3 store returns for a large download
+
+
+@pytest.mark.parametrize("make", [bytearray, bytes, _writable_view], ids=["bytearray", "bytes", "memoryview"])
 @pytest.mark.parametrize("writer", [safetensors_bytes, _safetensors_save], ids=["ours", "safetensors"])
 def test_reader_parses_blobs_of_either_writer(writer, make):
     assert_same(tensors_from_safetensors(make(writer(TENSORS))), TENSORS)
 
 
-def test_reader_views_a_bytearray_in_place_and_tensors_stay_writable():
-    buf = bytearray(safetensors_bytes({"w": torch.zeros(4), "m": torch.zeros(2, dtype=torch.float16)}))
+@pytest.mark.parametrize("make", [bytearray, _writable_view], ids=["bytearray", "memoryview"])
+def test_reader_views_a_writable_buffer_in_place_and_tensors_stay_writable(make):
+    buf = make(safetensors_bytes({"w": torch.zeros(4), "m": torch.zeros(2, dtype=torch.float16)}))
     loaded = tensors_from_safetensors(buf)
     loaded["w"] += 1  # an optimizer updates loaded state in place
     assert torch.equal(tensors_from_safetensors(buf)["w"], torch.ones(4)), "not a view of the downloaded buffer"
