@@ -100,13 +100,16 @@ def bench_commit_and_load(endpoint, label: str, total_mb: float, tensor_mb: floa
         with open(path, "wb") as f:
             f.write(save_safetensors(group))
         files.append(path)
-    client = boto3_client(endpoint)
     ours_up, base_up, ours_down, base_down = [], [], [], []
     committed_bytes = 0
     for r in range(repeats):
         prefix = f"bench/{label}-{uuid.uuid4().hex[:8]}"
+        # A new store and a new boto3 client each round, as a job builds them
+        # when it starts: neither side loads through connections and threads
+        # that earlier rounds warmed.
         store = S3Store.from_uri(f"s3://{endpoint.bucket}/{prefix}", endpoint_url=endpoint.endpoint_url,
                                  **store_options)
+        client = boto3_client(endpoint)
         keys = [f"{prefix}-boto3/{os.path.basename(path)}" for path in files]
         snap.step = r + 1
         manifest = None

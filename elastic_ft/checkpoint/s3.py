@@ -607,7 +607,10 @@ class S3Store(ObjectStore):
                         )
                     got = 0
                     while got < len(into):
-                        n = body.readinto(into[got:])
+                        # In pieces as s3transfer reads: urllib3's readinto goes through
+                        # temporary buffers of the size asked for, and part-sized ones
+                        # cost fresh pages (page faults) for every part.
+                        n = body.readinto(into[got : got + _READ_SIZE])
                         if not n:
                             break
                         got += n
@@ -768,6 +771,9 @@ class S3Store(ObjectStore):
             if _status(exc) == 404:
                 return  # some S3-compatible servers answer 404 where S3 answers 204
             raise self._client_error("delete", key, exc) from exc
+
+
+_READ_SIZE = 256 * 1024
 
 
 def _buffer(size: int) -> memoryview:
