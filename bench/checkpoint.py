@@ -20,7 +20,8 @@ with boto3 on the same server, in one run:
 
 Each timing is repeated (``--repeats``) alternating ours and boto3's, and the
 median is reported, so load from other processes on the machine hits both;
-dirty pages are flushed (untimed) before each timing.
+before each timing dirty pages are flushed and the server left to go idle
+(untimed).
 
     python bench/checkpoint.py [--lora-mb 20] [--big-mb 1024] [--repeats 3] [--steps 60]
                                [--trainer-store s3|file] [--part-mb N] [--download-part-mb N] [--skip a,b]
@@ -83,8 +84,31 @@ def fmt(xs) -> str:
     return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
 
 
-def bench_commit_and_load(endpoint, label: str, total_mb: float, tensor_mb: float, repeats: int, tmp: str,
-                          store_options: dict):
+def settle(server_pid: int, busy_below: float = 0.05, window: float = 0.5, timeout: float = 60.0) -> None:
+    """Flush dirty pages, then wait (bounded) until the S3 server is idle.
+
+    Untimed, before each timing: after a gigabyte is written or deleted the server
+    keeps working in the background (writing back, deleting chunks) for seconds,
+    and that must not land on whichever side happens to run next.
+    """
+    os.sync()
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s() -> float:
+        with open(f"/proc/{server_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = cpu_s()
+        time.sleep(window)
+        if cpu_s() - before < busy_below * window:
+            return
+
+
+def bench_commit_and_load(endpoint, server_pid: int, label: str, total_mb: float, tensor_mb: float, repeats: int,
+                          tmp: str, store_options: dict):
     from safetensors.torch import save as save_safetensors
 
     from elastic_ft.checkpoint.reader import load_blobs
@@ -139,11 +163,9 @@ def bench_commit_and_load(endpoint, label: str, total_mb: float, tensor_mb: floa
             base_down.append(time.perf_counter() - t)
 
         # Alternate which goes first, so drift on a busy machine hits both alike,
-        # and flush the page cache's dirty data (untimed) before each timing:
-        # otherwise whatever runs right after an upload pays for writing the
-        # previous gigabyte to disk (seen as the first load of a pair taking 1.7x).
+        # and let the server settle before each timing (see settle()).
         for fn in ((commit, upload, load, download) if r % 2 == 0 else (upload, commit, download, load)):
-            os.sync()
+            settle(server_pid)
             fn()
         committed_bytes = manifest.total_size
         for ref in manifest.blobs.values():
@@ -251,8 +273,8 @@ def main(argv=None) -> int:
                 store_options.update(download_part_size=int(args.download_part_mb * MiB))
             if "a" not in skip:
                 warm_up(endpoint, tmp)
-                bench_commit_and_load(endpoint, "lora", args.lora_mb, 0.5, args.repeats, tmp, store_options)
-                bench_commit_and_load(endpoint, "full", args.big_mb, 64, args.big_repeats, tmp, store_options)
+                bench_commit_and_load(endpoint, server.pid, "lora", args.lora_mb, 0.5, args.repeats, tmp, store_options)
+                bench_commit_and_load(endpoint, server.pid, "full", args.big_mb, 64, args.big_repeats, tmp, store_options)
             if "b" not in skip:
                 bench_blocked(endpoint, args.steps, args.every, tmp, args.trainer_store)
         finally:

@@ -295,6 +295,11 @@ class SeaweedServer:
             self._proc.wait(timeout=15)
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        """The ``weed`` process id while it runs (benchmarks watch its CPU use)."""
+        return self._proc.pid if self._proc is not None else None
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
