@@ -653,34 +653,16 @@ class S3Store(ObjectStore):
                 "the server does not honour ranged GETs correctly"
             )
         hasher = hashlib.sha256() if hashing else None
+        if hasher is not None:
+            hasher.update(first)
         if total <= chunk:
-            if hasher is not None:
-                hasher.update(first)
             return first, (hasher.hexdigest() if hasher else None)
-        etag = resp.get("ETag")
-        ranges = [(off, min(off + chunk, total) - 1) for off in range(chunk, total, chunk)]
         # One buffer for the whole object, each ranged GET reading into its slice.
         view = _buffer(total)
         view[: len(first)] = first
         del first
-        pool = self._executor()
-        futures = [
-            pool.submit(self._get_range, key, s3key, a, b, etag, f"get part {i}", view[a : b + 1])
-            for i, (a, b) in enumerate(ranges, start=2)
-        ]
-        try:
-            if hasher is not None:
-                hasher.update(view[:chunk])
-            # Hash in order as parts complete: later parts keep downloading meanwhile.
-            for (a, b), fut in zip(ranges, futures):
-                fut.result()
-                if hasher is not None:
-                    hasher.update(view[a : b + 1])
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            concurrent.futures.wait(futures)
-            raise
+        ranges = [(off, min(off + chunk, total) - 1) for off in range(chunk, total, chunk)]
+        self._get_ranges(key, s3key, view, ranges, 2, resp.get("ETag"), None, hasher)
         return view, (hasher.hexdigest() if hasher else None)
 
     def _download_known_size(
@@ -690,24 +672,43 @@ class S3Store(ObjectStore):
         alone to learn it. The answers must agree with the manifest on the size,
         and with each other on the ETag (else the object changed mid-download)."""
         chunk = self.download_part_size
-        ranges = [(off, min(off + chunk, size) - 1) for off in range(0, size, chunk)]
         view = _buffer(size)
         hasher = hashlib.sha256() if hashing else None
+        ranges = [(off, min(off + chunk, size) - 1) for off in range(0, size, chunk)]
+        if len(self._get_ranges(key, s3key, view, ranges, 1, None, size, hasher)) > 1:
+            raise _ObjectChanged()
+        return view, (hasher.hexdigest() if hasher else None)
+
+    def _get_ranges(
+        self,
+        key: str,
+        s3key: str,
+        view: memoryview,
+        ranges: list[tuple[int, int]],
+        first_number: int,
+        etag: str | None,
+        expect_total: int | None,
+        hasher: Any,
+    ) -> set[str | None]:
+        """GET ``ranges`` in parallel into their slices of ``view``, hashing them in
+        order as they complete (later parts keep downloading meanwhile). Returns
+        the ETags the answers carried."""
         pool = self._executor()
         futures = [
-            pool.submit(self._get_range, key, s3key, a, b, None, "get" if i == 1 else f"get part {i}", view[a : b + 1], size)
-            for i, (a, b) in enumerate(ranges, start=1)
+            pool.submit(self._get_range, key, s3key, a, b, etag, "get" if n == 1 else f"get part {n}",
+                        view[a : b + 1], expect_total)
+            for n, (a, b) in enumerate(ranges, start=first_number)
         ]
         etags = set()
         try:
-            # Hash in order as parts complete: later parts keep downloading meanwhile.
             for (a, b), fut in zip(ranges, futures):
                 try:
                     _, resp = fut.result()
                 except Exception as exc:
-                    if _status(exc) == 416:  # a range past the end: the object is smaller
+                    if expect_total is not None and _status(exc) == 416:  # a range past the end
                         raise BlobMismatch(
-                            f"blob {key!r} ({self.join(key)}) is shorter than the {size} bytes its manifest records"
+                            f"blob {key!r} ({self.join(key)}) is shorter than the {expect_total} bytes "
+                            "its manifest records"
                         ) from exc
                     raise
                 etags.add(resp.get("ETag"))
@@ -718,9 +719,7 @@ class S3Store(ObjectStore):
                 f.cancel()
             concurrent.futures.wait(futures)
             raise
-        if len(etags) > 1:
-            raise _ObjectChanged()
-        return view, (hasher.hexdigest() if hasher else None)
+        return etags
 
     def _get_whole(self, key: str, s3key: str) -> tuple[bytes, dict]:
         def once() -> tuple[bytes, dict]:
