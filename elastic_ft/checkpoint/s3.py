@@ -605,15 +605,7 @@ class S3Store(ObjectStore):
                             f"S3 get of {self.join(key)} returned {declared} bytes for range {start}-{end}; "
                             "the server does not honour ranged GETs correctly"
                         )
-                    got = 0
-                    while got < len(into):
-                        # In pieces as s3transfer reads: urllib3's readinto goes through
-                        # temporary buffers of the size asked for, and part-sized ones
-                        # cost fresh pages (page faults) for every part.
-                        n = body.readinto(into[got : got + _READ_SIZE])
-                        if not n:
-                            break
-                        got += n
+                    got = _read_into(body, into)
                     if got != len(into):
                         raise _TruncatedBody(f"got {got} of {len(into)} bytes")
                     return None, resp
@@ -773,6 +765,30 @@ class S3Store(ObjectStore):
 
 
 _READ_SIZE = 256 * 1024
+
+
+def _read_into(body: Any, into: memoryview) -> int:
+    """Read a GET body into ``into``; returns the byte count (short if truncated).
+
+    A plain (not content-encoded) urllib3 response is read through its
+    ``http.client`` response, straight from the socket into ``into``: one copy.
+    urllib3 1.26's own ``readinto`` reads into a temporary of the size asked
+    and copies twice more. Anything else goes through botocore's body, in
+    pieces as s3transfer reads (part-sized temporaries cost fresh pages).
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    direct = isinstance(fp, http.client.HTTPResponse) and not raw.headers.get("content-encoding")
+    read = fp.readinto if direct else body.readinto
+    got = 0
+    while got < len(into):
+        n = read(into[got:] if direct else into[got : got + _READ_SIZE])
+        if not n:
+            break
+        got += n
+    if direct and fp.isclosed():
+        raw.release_conn()  # urllib3 does this when it reads the end itself
+    return got
 
 
 def _buffer(size: int) -> memoryview:

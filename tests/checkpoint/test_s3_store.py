@@ -160,3 +160,22 @@ def test_store_without_sse_sends_none(s3_env, s3_servers):
         assert store.sse_args == {}
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_store_ranged_downloads_reuse_pooled_connections(s3_env, s3_servers, caplog, server):
+    # Bodies are read straight from http.client (one copy); the connections must
+    # still go back to urllib3's pool, or every ranged GET would open a new one.
+    endpoint = s3_servers.get(server)
+    s3_env(endpoint)
+    store, _ = make_s3_store(endpoint)  # 1 MiB ranges, 4 in flight
+    try:
+        data = os.urandom(12 * MiB + 7)
+        store.put("blobs/7-c/model", data)
+        with caplog.at_level(logging.DEBUG, logger="urllib3.connectionpool"):
+            for _ in range(3):
+                assert store.get("blobs/7-c/model") == data
+        opened = [r for r in caplog.records if "Starting new HTTP" in r.getMessage()]
+        assert len(opened) <= store.max_concurrency, [r.getMessage() for r in opened]
+    finally:
+        store.close()
