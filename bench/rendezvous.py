@@ -212,7 +212,7 @@ def _log_times(log: Path, pattern: str) -> list[float]:
 
 def bench_node_loss(etcd_endpoint: str) -> None:
     """Node loss to first step of the new world, with torchrun agents and the gloo job."""
-    from agents import read_jsonl, torchrun_agent, wait_for
+    from agents import read_jsonl, split_at_rank, torchrun_agent, wait_for
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -223,8 +223,7 @@ def bench_node_loss(etcd_endpoint: str) -> None:
             wait_for(lambda: len([s for s in read_jsonl(out / "steps.jsonl") if s["world_size"] == 3]) >= 2,
                      300, "two steps at world size 3", agents)
             workers = [w for w in read_jsonl(out / "workers.jsonl") if w["world_size"] == 3]
-            victim = next(a for a in agents if a.pid == next(w["agent_pid"] for w in workers if w["rank"] == 2))
-            survivors = [a for a in agents if a is not victim]
+            victim, survivors = split_at_rank(agents, workers, lambda rank: rank == 2)
             killed_at = time.time()
             victim.kill_tree()
             wait_for(lambda: any(s["world_size"] == 2 for s in read_jsonl(out / "steps.jsonl")), 300,

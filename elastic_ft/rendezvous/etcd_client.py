@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import tenacity
@@ -132,17 +132,35 @@ class KeyValue:
 
 @dataclass(frozen=True)
 class ConnectionSettings:
-    """How to reach etcd; see :class:`elastic_ft.rendezvous.options.EtcdRendezvousOptions`."""
+    """How to reach etcd: the ``--rdzv-conf`` options of the same names
+    (parsed and validated by :func:`elastic_ft.rendezvous.options.parse_options`)."""
 
     endpoints: tuple[Endpoint, ...]
+    """etcd client endpoints, tried in order; the first answers unless it is down."""
+
     request_timeout: float = 10.0
+    """Seconds one etcd request may take before it counts as a (retried) failure."""
+
     retry_timeout: float = 30.0
+    """Seconds of consecutive transient failures (etcd down, leader change) before giving up."""
+
     ca_cert: str | None = None
+    """PEM file of the CA that signed etcd's server certificate; turns TLS on."""
+
     client_cert: str | None = None
+    """PEM file of this client's certificate, for etcd's --client-cert-auth."""
+
     client_key: str | None = None
+    """PEM file of this client's private key (goes with client_cert)."""
+
     user: str | None = None
-    password: str | None = None
+    """etcd user name, when etcd has authentication enabled."""
+
+    password: str | None = field(default=None, repr=False)
+    """etcd password; also read from the environment variable named by password_env."""
+
     lease_ttl: int = 7200
+    """Seconds after the last write by any agent before a run's keys expire (abandoned runs)."""
 
     @property
     def endpoints_text(self) -> str:

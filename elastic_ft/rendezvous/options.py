@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -38,35 +38,11 @@ _IGNORED = ("timeout",)
 class EtcdRendezvousOptions:
     """Everything the etcd3 backend needs besides the run id and node counts."""
 
-    endpoints: tuple[Endpoint, ...]
-    """etcd client endpoints, tried in order; the first answers unless it is down."""
+    connection: ConnectionSettings
+    """Endpoints, TLS, credentials, request timeouts and lease TTL: what the etcd client needs."""
 
     key_prefix: str = "/elastic_ft/rendezvous"
     """Every key of a run lives under ``<key_prefix>/<run_id>/``."""
-
-    lease_ttl: int = 7200
-    """Seconds after the last write by any agent before a run's keys expire (abandoned runs)."""
-
-    request_timeout: float = 10.0
-    """Seconds one etcd request may take before it counts as a (retried) failure."""
-
-    retry_timeout: float = 30.0
-    """Seconds of consecutive transient failures (etcd down, leader change) before giving up."""
-
-    ca_cert: str | None = None
-    """PEM file of the CA that signed etcd's server certificate; turns TLS on."""
-
-    client_cert: str | None = None
-    """PEM file of this client's certificate, for etcd's --client-cert-auth."""
-
-    client_key: str | None = None
-    """PEM file of this client's private key (goes with client_cert)."""
-
-    user: str | None = None
-    """etcd user name, when etcd has authentication enabled."""
-
-    password: str | None = field(default=None, repr=False)
-    """etcd password; also read from the environment variable named by password_env."""
 
     join_timeout: timedelta | None = None
     last_call_timeout: timedelta | None = None
@@ -74,21 +50,6 @@ class EtcdRendezvousOptions:
     heartbeat_timeout: timedelta | None = None
     keep_alive_interval: int = 5
     keep_alive_max_attempt: int = 3
-
-    @property
-    def connection(self) -> ConnectionSettings:
-        """The part of the options the etcd client needs."""
-        return ConnectionSettings(
-            endpoints=self.endpoints,
-            request_timeout=self.request_timeout,
-            retry_timeout=self.retry_timeout,
-            ca_cert=self.ca_cert,
-            client_cert=self.client_cert,
-            client_key=self.client_key,
-            user=self.user,
-            password=self.password,
-            lease_ttl=self.lease_ttl,
-        )
 
     def run_prefix(self, run_id: str) -> str:
         """The key prefix of one run: its state key and its store live under it."""
@@ -225,16 +186,20 @@ def parse_options(
     if (user is None) != (password is None):
         problems.append("user/password: give both the etcd user and its password, or neither.")
 
-    options = dict(
-        key_prefix=key_prefix,
-        lease_ttl=number("lease_ttl", int, 7200),
-        request_timeout=number("request_timeout", float, 10.0),
-        retry_timeout=number("retry_timeout", float, 30.0),
+    default = ConnectionSettings(endpoints=())
+    connection = ConnectionSettings(
+        endpoints=tuple(endpoints),
+        lease_ttl=number("lease_ttl", int, default.lease_ttl),
+        request_timeout=number("request_timeout", float, default.request_timeout),
+        retry_timeout=number("retry_timeout", float, default.retry_timeout),
         ca_cert=ca_cert,
         client_cert=client_cert,
         client_key=client_key,
         user=user,
         password=password,
+    )
+    options = dict(
+        key_prefix=key_prefix,
         join_timeout=timeout("join_timeout"),
         last_call_timeout=timeout("last_call_timeout"),
         close_timeout=timeout("close_timeout"),
@@ -246,4 +211,4 @@ def parse_options(
         raise ValueError(
             "The etcd3 rendezvous options are invalid:\n  - " + "\n  - ".join(problems)
         )
-    return EtcdRendezvousOptions(endpoints=tuple(endpoints), **options)
+    return EtcdRendezvousOptions(connection=connection, **options)

@@ -101,6 +101,13 @@ def stop_leftovers(agents: list[Agent]) -> None:
             agent.kill_tree()
 
 
+def split_at_rank(agents: list[Agent], workers: list[dict], rank_test) -> tuple[Agent, list[Agent]]:  # type: ignore[no-untyped-def]
+    """The agent whose worker's rank passes ``rank_test`` (``workers``: one world's records), and the others."""
+    pid = next(w["agent_pid"] for w in workers if rank_test(w["rank"]))
+    chosen = next(a for a in agents if a.pid == pid)
+    return chosen, [a for a in agents if a is not chosen]
+
+
 def lose_node(victim: Agent, survivors: list[Agent], timeout: float) -> None:
     """Kill ``victim``'s whole process tree, like a lost machine; every survivor must finish with 0."""
     victim.kill_tree()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from datetime import timedelta
 from importlib.metadata import entry_points
 
@@ -22,6 +21,7 @@ from elastic_ft.rendezvous.handler import create_handler, etcd3_handler
 from elastic_ft.rendezvous.options import parse_options
 
 from etcd_server import ROOT_PASSWORD
+from threads import run_in_threads
 
 
 def params(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, **conf) -> RendezvousParameters:
@@ -33,9 +33,9 @@ def params(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, *
 
 def test_options_defaults_and_endpoints():
     options = parse_options("h1:2379,h2", {"endpoints": "h3:1234;h1:2379", "timeout": 900})
-    assert [str(e) for e in options.endpoints] == ["h1:2379", "h2:2379", "h3:1234"]
+    assert [str(e) for e in options.connection.endpoints] == ["h1:2379", "h2:2379", "h3:1234"]
     assert options.key_prefix == "/elastic_ft/rendezvous"
-    assert options.lease_ttl == 7200
+    assert options.connection.lease_ttl == 7200
     assert options.run_prefix("r") == "/elastic_ft/rendezvous/r/"
 
 
@@ -79,8 +79,8 @@ def test_options_accept_torch_v2_names_and_password_env(tls_files):
         },
         environ={"ETCD_TEST_PASSWORD": "pw"},
     )
-    assert options.client_cert == tls_files.client_cert
-    assert options.password == "pw"
+    assert options.connection.client_cert == tls_files.client_cert
+    assert options.connection.password == "pw"
     assert "pw" not in repr(options)
 
 
@@ -132,21 +132,7 @@ def test_handlers_in_threads_form_one_world(etcd, run_id):
         create_handler(params(etcd.endpoint, run_id, n, n, last_call_timeout="1", join_timeout="60"))
         for _ in range(n)
     ]
-    infos: list = [None] * n
-    errors: list[BaseException] = []
-
-    def join(i: int) -> None:
-        try:
-            infos[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    infos = run_in_threads(lambda i: handlers[i].next_rendezvous(), n)
     assert sorted(info.rank for info in infos) == list(range(n))
     assert {info.world_size for info in infos} == {n}
     # Every node learned the same MASTER_ADDR/PORT through the etcd store.

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from agents import Agent, child_env, lose_node, read_jsonl, stop_leftovers, torchrun_agent, wait_for
+from agents import (
+    Agent,
+    child_env,
+    lose_node,
+    read_jsonl,
+    split_at_rank,
+    stop_leftovers,
+    torchrun_agent,
+    wait_for,
+)
 from etcd_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -26,6 +35,12 @@ def first_world(workers: list[dict], size: int) -> list[dict]:
 
 def steps_with_world(out: Path, size: int) -> list[dict]:
     return [s for s in read_jsonl(out / "steps.jsonl") if s["world_size"] == size]
+
+
+def assert_ran_every_step(records: list[dict], steps: int) -> None:
+    """The job finished, and every step 1..steps ran (resumed from the counter, none skipped)."""
+    assert records[-1]["step"] == steps
+    assert {r["step"] for r in records} == set(range(1, steps + 1))
 
 
 def test_heterogeneous_agents_form_one_world(etcd, run_id, tmp_path):
@@ -71,17 +86,14 @@ def test_node_holding_rank_0_lost_mid_training_survivors_continue(etcd, run_id, 
         wait_for(lambda: len(steps_with_world(tmp_path, 2)) >= 2, 180,
                  "two steps at world size 2", agents)
         full = first_world(read_jsonl(tmp_path / "workers.jsonl"), 2)
-        victim_pid = next(w["agent_pid"] for w in full if w["rank"] == 0)
-        victim = next(a for a in agents if a.pid == victim_pid)
-        survivors = [a for a in agents if a is not victim]
+        victim, survivors = split_at_rank(agents, full, lambda rank: rank == 0)
         step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
         lose_node(victim, survivors, timeout=240)
     finally:
         stop_leftovers(agents)
 
     records = read_jsonl(tmp_path / "steps.jsonl")
-    assert records[-1]["step"] == steps
-    assert {r["step"] for r in records} == set(range(1, steps + 1))
+    assert_ran_every_step(records, steps)
     after = [r for r in records if r["step"] > step_at_kill + 1]
     assert after and {r["world_size"] for r in after} == {1}
     smaller = first_world(read_jsonl(tmp_path / "workers.jsonl"), 1)
@@ -108,16 +120,13 @@ def test_node_joins_running_job_then_another_node_is_lost(etcd, run_id, tmp_path
 
         grown = first_world(read_jsonl(tmp_path / "workers.jsonl"), 2)
         assert sorted(w["rank"] for w in grown) == [0, 1]
-        victim_pid = next(w["agent_pid"] for w in grown if w["rank"] != 0)
-        victim = next(a for a in agents if a.pid == victim_pid)
-        survivors = [a for a in agents if a is not victim]
+        victim, survivors = split_at_rank(agents, grown, lambda rank: rank != 0)
         step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
         lose_node(victim, survivors, timeout=240)
     finally:
         stop_leftovers(agents)
     records = read_jsonl(tmp_path / "steps.jsonl")
-    assert records[-1]["step"] == steps
-    assert {r["step"] for r in records} == set(range(1, steps + 1))
+    assert_ran_every_step(records, steps)
     worlds = [r["world_size"] for r in records]
     # 1, then 2 after the join, then 1 after the loss; never anything else.
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]

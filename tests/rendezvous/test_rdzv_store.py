@@ -21,6 +21,8 @@ from elastic_ft.rendezvous.etcd_client import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
 from elastic_ft.rendezvous.store import EtcdStore
 
+from threads import run_in_threads
+
 
 def make_store(endpoint: str, run_id: str, timeout: float = 10, **conf: str) -> EtcdStore:
     options = parse_options(endpoint, conf)
@@ -193,20 +195,7 @@ def test_torch_barrier_helper_across_clients(etcd, run_id):
     # torch's agent meets at its exit barrier through these store calls.
     world = 4
     stores = [make_store(etcd.endpoint, run_id) for _ in range(world)]
-    errors: list[BaseException] = []
-
-    def member(rank: int) -> None:
-        try:
-            barrier(stores[rank], world, key_prefix="exit/", barrier_timeout=30, rank=rank)
-        except BaseException as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_in_threads(lambda rank: barrier(stores[rank], world, key_prefix="exit/", barrier_timeout=30, rank=rank), world)
 
 
 def test_wait_survives_etcd_restart(etcd_private, run_id):
