@@ -15,7 +15,7 @@ with boto3 on the same server, in one run:
     asynchronously to ``s3://`` every few steps; the median ``blocked_s`` of its
     ``checkpoint_committed`` events over the median step time. Target <= 2%.
 (c) load throughput: ``reader.load_blobs`` of the newest checkpoint (ranged
-    GETs, streamed sha256, safetensors parse) against boto3's
+    GETs, each 1 MiB chunk's sha256 taken as it lands, safetensors parse) against boto3's
     ``download_fileobj`` of the same objects into memory. Target >= 0.9.
 
 Each timing is repeated (``--repeats``) alternating ours and boto3's, and the

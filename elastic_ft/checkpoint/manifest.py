@@ -1,8 +1,9 @@
 """The manifest: the commit marker of a checkpoint, and its parsing.
 
 A checkpoint exists only once ``manifests/<step>.json`` exists. The manifest
-names every blob with its key, size and sha256, so a load can verify every
-byte. It is plain JSON (never pickle), and strict: a manifest of another run
+names every blob with its key, size and sha256 (over 1 MiB chunks, so loads
+hash in parallel: :mod:`elastic_ft.checkpoint.digest`), so a load can verify
+every byte. It is plain JSON (never pickle), and strict: a manifest of another run
 or of an unknown format version is an error, not something to guess at.
 """
 
@@ -13,7 +14,9 @@ import json
 import re
 from typing import Any
 
-FORMAT = "elastic_ft.checkpoint/1"
+FORMAT = "elastic_ft.checkpoint/2"
+READABLE_FORMATS = ("elastic_ft.checkpoint/1", FORMAT)
+"""Format 1 recorded plain sha256 digests (no ``chunk_size``); format 2 adds chunked ones."""
 MANIFEST_PREFIX = "manifests/"
 BLOB_PREFIX = "blobs/"
 _MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
@@ -28,6 +31,8 @@ class BlobRef:
     key: str
     size: int
     sha256: str
+    chunk_size: int = 0
+    """The chunking of ``sha256`` (:mod:`elastic_ft.checkpoint.digest`); 0: a plain sha256."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +85,9 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
     if not isinstance(d, dict):
         raise ManifestError(f"manifest {key!r} is not a JSON object")
     fmt = d.get("format")
-    if fmt != FORMAT:
+    if fmt not in READABLE_FORMATS:
         raise ManifestError(
-            f"manifest {key!r} has format {fmt!r}, but this elastic_ft reads {FORMAT!r}; "
+            f"manifest {key!r} has format {fmt!r}, but this elastic_ft reads {' and '.join(map(repr, READABLE_FORMATS))}; "
             f"use the elastic_ft version that wrote it, or start a new run_id"
         )
     run_id = d.get("run_id")
@@ -104,6 +109,10 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
     if step_of_key(key) not in (None, m.step):
         raise ManifestError(f"manifest {key!r} records step {m.step}, which does not match its key")
     for name, ref in blobs.items():
+        if not (isinstance(ref.size, int) and ref.size >= 0 and isinstance(ref.chunk_size, int) and ref.chunk_size >= 0):
+            raise ManifestError(f"manifest {key!r}: blob {name!r} needs whole, non-negative size and chunk_size, got {ref}")
+        if ref.chunk_size and fmt != FORMAT:
+            raise ManifestError(f"manifest {key!r} of format {fmt!r} cannot record chunked digests (blob {name!r})")
         if not ref.key.startswith(BLOB_PREFIX) or ".." in ref.key.split("/"):
             raise ManifestError(f"manifest {key!r} references blob {name!r} outside this run: {ref.key!r}")
     return m

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, Manifest, parse_manifest, step_of_key
+from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, BlobRef, Manifest, parse_manifest, step_of_key
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ def read_manifest(store: ObjectStore, key: str, *, run_id: str | None = None) ->
 _IN_FLIGHT = 2
 
 
+def _get_verified(store: ObjectStore, ref: BlobRef) -> bytes | memoryview:
+    return store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size)
+
+
 def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     """Fetch and verify every blob of ``manifest``; raises :class:`StoreError` naming the first bad one."""
     tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -68,7 +72,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
             item = next(refs, None)
             if item is not None:
                 ref = item[1]
-                pending.append((item, pool.submit(store.get_verified, ref.key, size=ref.size, sha256=ref.sha256)))
+                pending.append((item, pool.submit(_get_verified, store, ref)))
 
         for _ in range(_IN_FLIGHT):
             fetch_next()
@@ -136,7 +140,7 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
     problems = []
     for name, ref in sorted(manifest.blobs.items()):
         try:
-            store.get_verified(ref.key, size=ref.size, sha256=ref.sha256)
+            _get_verified(store, ref)
         except StoreError as exc:
             problems.append(f"{name}: {exc}")
     return problems

@@ -10,14 +10,18 @@ What this adds over a plain ``put_object``/``get_object``:
   the object and compares its writer token.
 - **Large objects.** At ``multipart_threshold`` bytes and above, a put is a
   multipart upload whose parts go up in parallel and which is aborted if any
-  part finally fails (so no invisible parts are left to bill). Downloads fetch
-  the first ``download_part_size`` bytes, learn the size from Content-Range and
-  fetch the rest as parallel ranged GETs pinned to the first response's ETag
-  (``If-Match``), so an overwrite during a download restarts it instead of
-  mixing two versions. The ranges are read straight into one ``bytearray`` of
-  the object's size (returned as is: it is bytes-like, and the reader views
-  tensors in it without another copy). :meth:`S3Store.get_verified` hashes the parts in order as
-  they arrive and checks the size before fetching more than the first part.
+  part finally fails (so no invisible parts are left to bill). A download of
+  known size (``get_verified``: the manifest gives it) sends every ranged GET
+  at once and checks each answer's Content-Range total against that size;
+  ``get`` fetches the first ``download_part_size`` bytes, learns the size from
+  Content-Range and fetches the rest pinned to that ETag (``If-Match``). The
+  answers must agree on the ETag, so an overwrite during a download restarts
+  it instead of mixing two versions. The ranges are read straight into one
+  anonymous mapping of the object's size, returned as a writable
+  ``memoryview`` (the reader views tensors in it without another copy).
+  ``get_verified`` hashes while downloading: a chunked digest
+  (:mod:`elastic_ft.checkpoint.digest`) in the worker that fetched each range,
+  a plain one in order as the ranges arrive.
 - **Retries.** Every request is retried by one tenacity policy (bounded
   exponential backoff with jitter, ``max_attempts`` in all) on throttling
   (SlowDown, 503, 429), other 5xx, dropped/reset/timed-out connections and
@@ -42,7 +46,6 @@ What this adds over a plain ``put_object``/``get_object``:
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import http.client
 import logging
 import mmap
@@ -53,17 +56,9 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from elastic_ft.checkpoint.store import (
-    BlobMismatch,
-    Data,
-    ObjectExists,
-    ObjectInfo,
-    ObjectNotFound,
-    ObjectStore,
-    Segments,
-    StoreError,
-    as_segments,
-)
+from elastic_ft.checkpoint.digest import BlobDigest
+from elastic_ft.checkpoint.segments import Data, Segments, as_segments
+from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -531,17 +526,20 @@ class S3Store(ObjectStore):
     # -- get --------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | memoryview:
-        return self._download(key, expect_size=None, sha256=None)
+        return self._download(key, expect_size=None)
 
-    def get_verified(self, key: str, *, size: int, sha256: str) -> bytes | memoryview:
-        return self._download(key, expect_size=size, sha256=sha256)
+    def get_verified(self, key: str, *, size: int, sha256: str, chunk_size: int = 0) -> bytes | memoryview:
+        return self._download(key, expect_size=size, sha256=sha256, chunk_size=chunk_size)
 
-    def _download(self, key: str, *, expect_size: int | None, sha256: str | None) -> bytes | memoryview:
+    def _download(
+        self, key: str, *, expect_size: int | None, sha256: str | None = None, chunk_size: int = 0
+    ) -> bytes | memoryview:
         s3key = self._s3key(key)
         restarts = 3
         for attempt in range(1, restarts + 1):
+            digest = BlobDigest(expect_size, chunk_size) if sha256 is not None and expect_size is not None else None
             try:
-                data, digest = self._download_once(key, s3key, expect_size, hashing=sha256 is not None)
+                data = self._download_once(key, s3key, expect_size, digest)
             except _ObjectChanged:
                 if attempt == restarts:
                     raise StoreError(
@@ -554,9 +552,9 @@ class S3Store(ObjectStore):
                 raise
             except Exception as exc:
                 raise self._client_error("get", key, exc) from exc
-            if sha256 is not None and digest != sha256:
+            if digest is not None and (actual := digest.hexdigest()) != sha256:
                 raise BlobMismatch(
-                    f"blob {key!r} ({self.join(key)}) has sha256 {digest[:16]}… "
+                    f"blob {key!r} ({self.join(key)}) has sha256 {actual[:16]}… "
                     f"but its manifest records {sha256[:16]}…"
                 )
             return data
@@ -572,6 +570,7 @@ class S3Store(ObjectStore):
         what: str,
         into: memoryview | None = None,
         expect_total: int | None = None,
+        digest: BlobDigest | None = None,
     ) -> tuple[bytes | None, dict]:
         """GET bytes ``start..end`` (inclusive); retried as a whole, truncation included.
 
@@ -579,6 +578,10 @@ class S3Store(ObjectStore):
         straight into it and ``None`` is returned for the data: a large download
         then costs one copy of its bytes, not a part copy plus a join. With
         ``expect_total``, an object of another size raises :class:`BlobMismatch`.
+        A chunked ``digest`` (``start`` on a chunk boundary) is fed each chunk as
+        soon as it is read, while its bytes are in this core's cache (hashing
+        them there is a third faster here than from memory); a retry reads and
+        hashes the whole range again.
         """
 
         def once() -> tuple[bytes, dict]:
@@ -605,7 +608,7 @@ class S3Store(ObjectStore):
                             f"S3 get of {self.join(key)} returned {declared} bytes for range {start}-{end}; "
                             "the server does not honour ranged GETs correctly"
                         )
-                    got = _read_into(body, into)
+                    got = _read_into(body, into, digest, start)
                     if got != len(into):
                         raise _TruncatedBody(f"got {got} of {len(into)} bytes")
                     return None, resp
@@ -621,11 +624,11 @@ class S3Store(ObjectStore):
         return self._retry(what, key, once)
 
     def _download_once(
-        self, key: str, s3key: str, expect_size: int | None, *, hashing: bool
-    ) -> tuple[bytes | memoryview, str | None]:
+        self, key: str, s3key: str, expect_size: int | None, digest: BlobDigest | None
+    ) -> bytes | memoryview:
         chunk = self.download_part_size
         if expect_size is not None and expect_size > chunk:
-            return self._download_known_size(key, s3key, expect_size, hashing=hashing)
+            return self._download_known_size(key, s3key, expect_size, digest)
         try:
             first, resp = self._get_range(key, s3key, 0, chunk - 1, None, "get")
         except Exception as exc:
@@ -644,32 +647,30 @@ class S3Store(ObjectStore):
                 f"S3 get of {self.join(key)} returned {len(first)} bytes for the first {min(total, chunk)}; "
                 "the server does not honour ranged GETs correctly"
             )
-        hasher = hashlib.sha256() if hashing else None
-        if hasher is not None:
-            hasher.update(first)
         if total <= chunk:
-            return first, (hasher.hexdigest() if hasher else None)
+            if digest is not None:
+                digest.update(0, first)
+            return first
+        # Only a plain get() (no digest) gets here: a verified one knows the size.
         # One buffer for the whole object, each ranged GET reading into its slice.
         view = _buffer(total)
         view[: len(first)] = first
         del first
         ranges = [(off, min(off + chunk, total) - 1) for off in range(chunk, total, chunk)]
-        self._get_ranges(key, s3key, view, ranges, 2, resp.get("ETag"), None, hasher)
-        return view, (hasher.hexdigest() if hasher else None)
+        self._get_ranges(key, s3key, view, ranges, 2, resp.get("ETag"), None, None)
+        return view
 
-    def _download_known_size(
-        self, key: str, s3key: str, size: int, *, hashing: bool
-    ) -> tuple[memoryview, str | None]:
+    def _download_known_size(self, key: str, s3key: str, size: int, digest: BlobDigest | None) -> memoryview:
         """Every ranged GET at once, the manifest giving the size: no first request
         alone to learn it. The answers must agree with the manifest on the size,
-        and with each other on the ETag (else the object changed mid-download)."""
-        chunk = self.download_part_size
+        and with each other on the ETag (else the object changed mid-download).
+        The ranges hold whole chunks of a chunked digest, so each can be hashed alone."""
+        step = digest.piece_size(self.download_part_size) if digest is not None else self.download_part_size
         view = _buffer(size)
-        hasher = hashlib.sha256() if hashing else None
-        ranges = [(off, min(off + chunk, size) - 1) for off in range(0, size, chunk)]
-        if len(self._get_ranges(key, s3key, view, ranges, 1, None, size, hasher)) > 1:
+        ranges = [(off, min(off + step, size) - 1) for off in range(0, size, step)]
+        if len(self._get_ranges(key, s3key, view, ranges, 1, None, size, digest)) > 1:
             raise _ObjectChanged()
-        return view, (hasher.hexdigest() if hasher else None)
+        return view
 
     def _get_ranges(
         self,
@@ -680,15 +681,17 @@ class S3Store(ObjectStore):
         first_number: int,
         etag: str | None,
         expect_total: int | None,
-        hasher: Any,
+        digest: BlobDigest | None,
     ) -> set[str | None]:
-        """GET ``ranges`` in parallel into their slices of ``view``, hashing them in
-        order as they complete (later parts keep downloading meanwhile). Returns
-        the ETags the answers carried."""
+        """GET ``ranges`` in parallel into their slices of ``view``, feeding ``digest``
+        (a chunked one as each worker reads, a plain one here in order as the
+        ranges complete, later ones downloading meanwhile). Returns the ETags the
+        answers carried."""
+        in_worker = digest is not None and digest.any_order
         pool = self._executor()
         futures = [
             pool.submit(self._get_range, key, s3key, a, b, etag, "get" if n == 1 else f"get part {n}",
-                        view[a : b + 1], expect_total)
+                        view[a : b + 1], expect_total, digest if in_worker else None)
             for n, (a, b) in enumerate(ranges, start=first_number)
         ]
         etags = set()
@@ -704,8 +707,8 @@ class S3Store(ObjectStore):
                         ) from exc
                     raise
                 etags.add(resp.get("ETag"))
-                if hasher is not None:
-                    hasher.update(view[a : b + 1])
+                if digest is not None and not in_worker:
+                    digest.update(a, view[a : b + 1])
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -767,7 +770,7 @@ class S3Store(ObjectStore):
 _READ_SIZE = 256 * 1024
 
 
-def _read_into(body: Any, into: memoryview) -> int:
+def _read_into(body: Any, into: memoryview, digest: BlobDigest | None = None, offset: int = 0) -> int:
     """Read a GET body into ``into``; returns the byte count (short if truncated).
 
     A plain (not content-encoded) urllib3 response is read through its
@@ -775,17 +778,24 @@ def _read_into(body: Any, into: memoryview) -> int:
     urllib3 1.26's own ``readinto`` reads into a temporary of the size asked
     and copies twice more. Anything else goes through botocore's body, in
     pieces as s3transfer reads (part-sized temporaries cost fresh pages).
+    Each whole chunk of ``digest`` (``into`` holding the blob from ``offset``)
+    is hashed as soon as it is in.
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     direct = isinstance(fp, http.client.HTTPResponse) and not raw.headers.get("content-encoding")
     read = fp.readinto if direct else body.readinto
-    got = 0
+    chunk = digest.chunk_size if digest is not None else len(into)
+    got = hashed = 0
     while got < len(into):
-        n = read(into[got:] if direct else into[got : got + _READ_SIZE])
+        end = min(hashed + chunk, len(into))
+        n = read(into[got : end if direct else min(end, got + _READ_SIZE)])
         if not n:
             break
         got += n
+        if digest is not None and got == end:
+            digest.update(offset + hashed, into[hashed:got])
+            hashed = got
     if direct and fp.isclosed():
         raw.release_conn()  # urllib3 does this when it reads the end itself
     return got

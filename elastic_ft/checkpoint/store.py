@@ -13,14 +13,13 @@ of ``s3://`` and would change a key's meaning between backends.
 from __future__ import annotations
 
 import abc
-import bisect
 import dataclasses
-import hashlib
-import itertools
 import os
 import tempfile
 import urllib.parse
-from typing import Iterable, Union
+
+from elastic_ft.checkpoint.digest import blob_sha256
+from elastic_ft.checkpoint.segments import Data, as_segments
 
 
 class StoreError(Exception):
@@ -47,50 +46,6 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
-
-
-class Segments:
-    """Bytes held as consecutive buffers: a blob's header, then each tensor's memory.
-
-    A blob built this way goes to storage without first being joined into one
-    buffer (a copy of the whole checkpoint, and as much memory again): a file
-    gets each buffer written in turn, and an S3 multipart upload gathers each
-    part from the buffers it spans. The buffers must not change until the put
-    returns.
-    """
-
-    def __init__(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
-        self.buffers = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
-        self._starts = [0, *itertools.accumulate(len(b) for b in self.buffers)]
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def read(self, offset: int, size: int) -> bytes:
-        """Bytes ``offset .. offset + size`` (clipped to the end), gathered in one copy."""
-        end = min(offset + size, len(self))
-        i = bisect.bisect_right(self._starts, offset) - 1
-        pieces = []
-        while offset < end:
-            buf, start = self.buffers[i], self._starts[i]
-            take = buf[offset - start : min(end - start, len(buf))]
-            pieces.append(take)
-            offset += len(take)
-            i += 1
-        if len(pieces) == 1 and isinstance(pieces[0].obj, bytes) and len(pieces[0]) == len(pieces[0].obj):
-            return pieces[0].obj  # the whole of an immutable buffer: no copy needed
-        return b"".join(pieces)
-
-    def tobytes(self) -> bytes:
-        return self.read(0, len(self))
-
-
-Data = Union[bytes, bytearray, memoryview, Segments]
-"""What ``put`` takes: one buffer, or :class:`Segments`."""
-
-
-def as_segments(data: Data) -> Segments:
-    return data if isinstance(data, Segments) else Segments([data])
 
 
 class ObjectStore(abc.ABC):
@@ -124,14 +79,16 @@ class ObjectStore(abc.ABC):
         without a second copy.
         """
 
-    def get_verified(self, key: str, *, size: int, sha256: str) -> bytes | memoryview:
-        """Return the object at ``key`` after checking its size and sha256.
+    def get_verified(self, key: str, *, size: int, sha256: str, chunk_size: int = 0) -> bytes | memoryview:
+        """Return the object at ``key`` after checking its size and digest.
 
-        Backends that stream may override this to hash while downloading; the
-        default hashes after :meth:`get`. Raises :class:`BlobMismatch`.
+        ``sha256`` is the digest over chunks of ``chunk_size`` bytes that the
+        manifest records (:mod:`elastic_ft.checkpoint.digest`; 0: a plain
+        sha256). Backends that stream may override this to hash while
+        downloading; the default hashes after :meth:`get`. Raises :class:`BlobMismatch`.
         """
         data = self.get(key)
-        check_blob(key, data, size=size, sha256=sha256)
+        check_blob(key, data, size=size, sha256=sha256, chunk_size=chunk_size)
         return data
 
     @abc.abstractmethod
@@ -154,18 +111,12 @@ class BlobMismatch(StoreError):
     """A blob's bytes do not match the size or sha256 its manifest recorded."""
 
 
-def sha256_hex(data: Data) -> str:
-    digest = hashlib.sha256()
-    for buf in as_segments(data).buffers:
-        digest.update(buf)  # releases the GIL for large buffers
-    return digest.hexdigest()
-
-
-def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str) -> None:
-    """Raise :class:`BlobMismatch` naming ``key`` unless ``data`` has ``size`` and ``sha256``."""
+def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str, chunk_size: int = 0) -> None:
+    """Raise :class:`BlobMismatch` naming ``key`` unless ``data`` has ``size`` and digest ``sha256``
+    (chunked by ``chunk_size``: :mod:`elastic_ft.checkpoint.digest`)."""
     if len(data) != size:
         raise BlobMismatch(f"blob {key!r} has {len(data)} bytes but its manifest records {size}")
-    actual = sha256_hex(data)
+    actual = blob_sha256(data, chunk_size, threads=os.cpu_count() or 1)
     if actual != sha256:
         raise BlobMismatch(f"blob {key!r} has sha256 {actual[:16]}… but its manifest records {sha256[:16]}…")
 
@@ -300,11 +251,9 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
-    "Segments",
     "StoreError",
     "UnsupportedURI",
     "check_blob",
     "join_uri",
     "open_store",
-    "sha256_hex",
 ]

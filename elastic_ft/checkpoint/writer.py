@@ -29,7 +29,9 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX, BlobRef, Manifest, manifest_key, parse_manifest
-from elastic_ft.checkpoint.store import Data, ObjectExists, ObjectStore, Segments, sha256_hex
+from elastic_ft.checkpoint.digest import CHUNK_SIZE, blob_sha256
+from elastic_ft.checkpoint.segments import Data, Segments
+from elastic_ft.checkpoint.store import ObjectExists, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -152,15 +154,18 @@ class CheckpointWriter:
         return manifest
 
     def _put_blob(self, key: str, data: Data) -> BlobRef:
+        def ref(digest: str) -> BlobRef:
+            return BlobRef(key=key, size=len(data), sha256=digest, chunk_size=CHUNK_SIZE)
+
         if len(data) < _HASH_IN_THREAD_BYTES:
             self.store.put(key, data)
-            return BlobRef(key=key, size=len(data), sha256=sha256_hex(data))
+            return ref(blob_sha256(data, CHUNK_SIZE))
         # Hash while the bytes go up (hashlib releases the GIL): the digest then
         # costs no wall time on top of the upload.
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
-            digest = hasher.submit(sha256_hex, data)
+            digest = hasher.submit(blob_sha256, data, CHUNK_SIZE)
             self.store.put(key, data)
-            return BlobRef(key=key, size=len(data), sha256=digest.result())
+            return ref(digest.result())
 
     def _commit_manifest(self, manifest: Manifest) -> None:
         key = manifest_key(manifest.step)

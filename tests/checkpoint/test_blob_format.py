@@ -8,7 +8,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elastic_ft.checkpoint.reader import tensors_from_safetensors
-from elastic_ft.checkpoint.store import Segments, sha256_hex
+from elastic_ft.checkpoint.digest import blob_sha256
+from elastic_ft.checkpoint.segments import Segments
 from elastic_ft.checkpoint.writer import safetensors_segments
 
 TENSORS = {
@@ -53,7 +54,9 @@ def test_segments_read_any_range_across_buffer_boundaries():
     for offset in range(len(whole) + 1):
         for size in range(len(whole) + 2 - offset):
             assert segments.read(offset, size) == whole[offset : offset + size], (offset, size)
-    assert sha256_hex(segments) == sha256_hex(whole)
+            assert b"".join(segments.views(offset, size)) == whole[offset : offset + size], (offset, size)
+    for chunk in (0, 1, 3, 5):
+        assert blob_sha256(segments, chunk) == blob_sha256(whole, chunk)
 
 
 def _safetensors_save(tensors):

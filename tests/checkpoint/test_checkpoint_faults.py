@@ -10,6 +10,7 @@ a missing or partial blob would be a checkpoint that cannot be resumed.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ import threading
 import pytest
 import torch
 
+from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, manifest_key
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
@@ -56,7 +58,7 @@ def assert_committed_blobs_intact(store: ObjectStore, *, run_id: str = RUN) -> l
         for name, ref in manifest.blobs.items():
             data = store.get(ref.key)
             assert len(data) == ref.size, f"step {manifest.step} blob {name}: {len(data)} bytes, recorded {ref.size}"
-            assert hashlib.sha256(data).hexdigest() == ref.sha256, f"step {manifest.step} blob {name}: sha256 differs"
+            assert blob_sha256(data, ref.chunk_size) == ref.sha256, f"step {manifest.step} blob {name}: sha256 differs"
         steps.append(manifest.step)
     return steps
 
@@ -270,6 +272,25 @@ def test_two_writers_racing_for_one_step_exactly_one_commits(race_store):
     assert assert_committed_blobs_intact(race_store) == [1, 2, 3, 4, 5]
 
 
+def test_format_1_checkpoint_with_plain_digests_still_loads(race_store):
+    # A checkpoint written before chunked digests (manifest format 1) must
+    # still resume a job after an upgrade.
+    snap = make_snap(3)
+    m = CheckpointWriter(race_store, RUN).commit(snap)
+    old = json.loads(m.to_json())
+    old["format"] = "elastic_ft.checkpoint/1"
+    for ref in old["blobs"].values():
+        del ref["chunk_size"]
+        ref["sha256"] = hashlib.sha256(race_store.get(ref["key"])).hexdigest()
+    race_store.delete(m.key)
+    race_store.put(m.key, json.dumps(old).encode(), if_absent=True)
+
+    loaded, skipped = load_newest(race_store, RUN)
+    assert skipped == [] and loaded.manifest.format == "elastic_ft.checkpoint/1"
+    assert torch.equal(loaded.tensors["model"]["w"], snap.tensors["model"]["w"])
+    assert assert_committed_blobs_intact(race_store) == [3]
+
+
 # --------------------------------------------------------------------------- crash and corruption
 
 CRASHING_WRITER = """
@@ -332,14 +353,18 @@ def test_writer_killed_mid_upload_resume_from_previous_and_gc_removes_orphans(se
     assert assert_committed_blobs_intact(p.direct) == [1]
 
 
-def test_blob_altered_after_commit_verify_names_it_and_load_falls_back(seaweed):
+@pytest.mark.parametrize("blob", ["optimizer", "model"])
+def test_blob_altered_after_commit_verify_names_it_and_load_falls_back(seaweed, blob):
+    # The 16 KiB optimizer blob has a plain sha256; the 6 MiB model blob a
+    # digest over six 1 MiB chunks, hashed in the download workers.
     p = seaweed
     writer = CheckpointWriter(p.direct, RUN)
-    writer.commit(make_snap(1, model_numel=4096))
-    m2 = writer.commit(make_snap(2, model_numel=4096))
-    bad = m2.blobs["optimizer"].key
+    writer.commit(make_snap(1))
+    m2 = writer.commit(make_snap(2))
+    bad = m2.blobs[blob].key
+    assert (m2.blobs[blob].size > m2.blobs[blob].chunk_size) == (blob == "model")
     data = bytearray(p.direct.get(bad))
-    data[-1] ^= 0xFF  # same size, different bytes: only the hash can tell
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the hash can tell
     p.endpoint.client().put_object(Bucket=p.endpoint.bucket, Key=p.prefix + bad, Body=bytes(data))
 
     env = process_env(AWS_ENDPOINT_URL_S3=p.endpoint.endpoint_url)

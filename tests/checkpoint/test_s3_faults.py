@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.store import ObjectExists, StoreError
 
 try:
@@ -90,16 +91,19 @@ class TestS3StoreFaults:
         assert store.get("manifest-3.json") == b'{"writer": "me"}'
         assert [s.fault for s in _requests(proxy, "PUT", "manifest-3.json")] == ["drop_after", None]
 
-    def test_truncated_download_is_retried_not_returned(self, proxied, caplog):
+    @pytest.mark.parametrize("chunk_size", [0, MiB], ids=["plain", "chunked"])
+    def test_truncated_download_is_retried_not_returned(self, proxied, caplog, chunk_size):
+        # Chunked digests are computed in the download workers: only after a
+        # range is whole, never over the truncated body of a failed try.
         store, proxy, *_ = proxied
         data = os.urandom(3 * MiB + 5)  # four ranged GETs
-        digest = hashlib.sha256(data).hexdigest()
+        digest = blob_sha256(data, chunk_size)
         store.put("blobs/2-t/model", data)
         store.put("blobs/2-t/small", b"0123456789")
         proxy.add("truncate", method="GET", path="blobs/2-t/model", times=2, keep=1000)
         proxy.add("truncate", method="GET", path="blobs/2-t/small", keep=3)
         with caplog.at_level(logging.WARNING, logger="elastic_ft.checkpoint.s3"):
-            assert store.get_verified("blobs/2-t/model", size=len(data), sha256=digest) == data
+            assert store.get_verified("blobs/2-t/model", size=len(data), sha256=digest, chunk_size=chunk_size) == data
             assert store.get("blobs/2-t/small") == b"0123456789"
         assert sum(s.fault == "truncate" for s in proxy.seen) == 3
         assert len(_retry_warnings(caplog, "blobs/2-t/")) == 3
@@ -150,6 +154,13 @@ class TestS3StoreFaults:
         assert store.get_verified("blobs/4-m/model", size=len(data), sha256=hashlib.sha256(data).hexdigest()) == data
         ranges = sorted(s.range for s in _requests(proxy, "GET", "blobs/4-m/model"))
         assert len(ranges) == 11 and all(r and r.startswith("bytes=") for r in ranges)
+        # A chunked digest that does not divide the 1 MiB download parts: the
+        # ranges grow to whole chunks (1.5 MiB) so each worker hashes its own.
+        proxy.clear()
+        chunk = 768 * 1024
+        assert store.get_verified("blobs/4-m/model", size=len(data), sha256=blob_sha256(data, chunk), chunk_size=chunk) == data
+        starts = sorted(int(s.range.split("=")[1].split("-")[0]) for s in _requests(proxy, "GET", "blobs/4-m/model"))
+        assert starts == list(range(0, len(data), 2 * chunk))
 
     def test_failed_part_is_retried(self, proxied):
         store, proxy, *_ = proxied

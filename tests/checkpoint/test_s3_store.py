@@ -6,12 +6,15 @@ faults are in ``test_s3_faults.py``. These run against the real servers too.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 
 import pytest
+from botocore.response import StreamingBody
 
-from elastic_ft.checkpoint.s3 import S3Store, parse_s3_uri
+from elastic_ft.checkpoint.digest import BlobDigest, blob_sha256
+from elastic_ft.checkpoint.s3 import S3Store, _read_into, parse_s3_uri
 from elastic_ft.checkpoint.store import StoreError, open_store
 
 try:
@@ -179,3 +182,21 @@ def test_store_ranged_downloads_reuse_pooled_connections(s3_env, s3_servers, cap
         assert len(opened) <= store.max_concurrency, [r.getMessage() for r in opened]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("chunk", [0, 1000, 4096])
+def test_body_without_a_direct_socket_is_read_in_pieces_and_hashed_by_chunk(chunk):
+    # A body that is not a plain urllib3 response (content-encoded, or another
+    # HTTP stack) is read through botocore's readinto; chunks of a chunked
+    # digest are hashed as they fill, from the range's offset in the blob.
+    data = os.urandom(3 * (1 << 18) + 123)  # over three of the 256 KiB pieces
+    offset = 3 * chunk  # the range's start in its blob: a chunk boundary
+    into = memoryview(bytearray(len(data)))
+    digest = BlobDigest(offset + len(data), chunk) if chunk else None
+    assert _read_into(StreamingBody(io.BytesIO(data), len(data)), into, digest, offset) == len(data)
+    assert into == data
+    if digest is not None:
+        digest.update(0, bytes(offset))  # the chunks before this range
+        assert digest.hexdigest() == blob_sha256(bytes(offset) + data, chunk)
+    short = memoryview(bytearray(len(data) + 10))
+    assert _read_into(StreamingBody(io.BytesIO(data), len(data)), short) == len(data)

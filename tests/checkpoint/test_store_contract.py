@@ -12,7 +12,9 @@ import threading
 
 import pytest
 
-from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, Segments, StoreError
+from elastic_ft.checkpoint.digest import blob_sha256
+from elastic_ft.checkpoint.segments import Segments
+from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, StoreError
 
 MiB = 1 << 20
 
@@ -120,6 +122,10 @@ def test_store_large_blob_multipart_and_ranged_verified(backend):
     digest = hashlib.sha256(data).hexdigest()
     store.put("blobs/5-n/model.safetensors", data)
     assert store.get_verified("blobs/5-n/model.safetensors", size=len(data), sha256=digest) == data
+    for chunk in (MiB, 768 * 1024, 5 * MiB):  # S3: ranges of 1 MiB, or grown to whole chunks
+        got = store.get_verified("blobs/5-n/model.safetensors", size=len(data), sha256=blob_sha256(data, chunk),
+                                 chunk_size=chunk)
+        assert got == data, chunk
     assert store.get("blobs/5-n/model.safetensors") == data
     (info,) = store.list("blobs/5-n/")
     assert info.size == len(data)
@@ -149,15 +155,16 @@ def test_store_large_blob_if_absent(backend):
 
 
 @pytest.mark.parametrize("size", [10, 3 * MiB + 1])
-def test_store_get_verified_mismatch_names_key(backend, size):
+@pytest.mark.parametrize("chunk", [0, MiB], ids=["plain", "chunked"])
+def test_store_get_verified_mismatch_names_key(backend, size, chunk):
     store = backend.store
     data = os.urandom(size)
     store.put("blobs/3-z/opt.safetensors", data)
-    good = hashlib.sha256(data).hexdigest()
-    bad = hashlib.sha256(data + b"!").hexdigest()
-    with pytest.raises(BlobMismatch, match=r"blobs/3-z/opt\.safetensors.*sha256"):
-        store.get_verified("blobs/3-z/opt.safetensors", size=size, sha256=bad)
+    good = blob_sha256(data, chunk)
+    for other in (data[:-1] + bytes([data[-1] ^ 1]), bytes([data[0] ^ 1]) + data[1:]):  # the last or first byte
+        with pytest.raises(BlobMismatch, match=r"blobs/3-z/opt\.safetensors.*sha256"):
+            store.get_verified("blobs/3-z/opt.safetensors", size=size, sha256=blob_sha256(other, chunk), chunk_size=chunk)
     for claimed in (size + 1, size - 1, 3 * size):  # S3: ranges past the end, or a short last one
         with pytest.raises(BlobMismatch, match=r"blobs/3-z/opt\.safetensors.*bytes"):
-            store.get_verified("blobs/3-z/opt.safetensors", size=claimed, sha256=good)
-    assert store.get_verified("blobs/3-z/opt.safetensors", size=size, sha256=good) == data
+            store.get_verified("blobs/3-z/opt.safetensors", size=claimed, sha256=good, chunk_size=chunk)
+    assert store.get_verified("blobs/3-z/opt.safetensors", size=size, sha256=good, chunk_size=chunk) == data

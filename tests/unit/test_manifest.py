@@ -13,7 +13,7 @@ KEY = "manifests/000000000020.json"
 
 def good(**changes) -> dict:
     m = Manifest(run_id="run-a", step=20, cursor=640, created=1.5, writer="tok", config_hash="abc",
-                 blobs={"model": BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64),
+                 blobs={"model": BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64, 1 << 20),
                         "trainer": BlobRef("blobs/000000000020-x/trainer.json", 5, "e" * 64)},
                  world={"size": 2}, batch_plan={"world": 2})
     d = json.loads(m.to_json())
@@ -28,7 +28,8 @@ def parse(d, key=KEY, run_id="run-a"):
 def test_round_trip():
     m = parse(good())
     assert (m.run_id, m.step, m.cursor, m.format) == ("run-a", 20, 640, FORMAT)
-    assert m.blobs["model"] == BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64)
+    assert m.blobs["model"] == BlobRef("blobs/000000000020-x/model.safetensors", 10, "f" * 64, 1 << 20)
+    assert m.blobs["trainer"].chunk_size == 0
     assert m.total_size == 15 and m.key == KEY and m.world == {"size": 2}
     assert parse_manifest(m.to_json(), key=KEY) == m
 
@@ -49,9 +50,27 @@ def error(d=None, *, data=None, key=KEY, run_id="run-a") -> str:
 
 
 def test_wrong_format_version():
-    msg = error(good(format="elastic_ft.checkpoint/2"))
-    assert "'elastic_ft.checkpoint/2'" in msg and FORMAT in msg
+    msg = error(good(format="elastic_ft.checkpoint/3"))
+    assert "'elastic_ft.checkpoint/3'" in msg and FORMAT in msg
     assert "format None" in error({k: v for k, v in good().items() if k != "format"})
+
+
+def test_format_1_manifests_still_load_with_plain_digests():
+    d = good(format="elastic_ft.checkpoint/1")
+    for ref in d["blobs"].values():
+        del ref["chunk_size"]  # format 1 had no such field
+    m = parse(d)
+    assert m.format == "elastic_ft.checkpoint/1" and {r.chunk_size for r in m.blobs.values()} == {0}
+    d["blobs"]["model"]["chunk_size"] = 1 << 20
+    assert "cannot record chunked digests" in error(d) and "'model'" in error(d)
+
+
+@pytest.mark.parametrize("field,value", [("chunk_size", -1), ("chunk_size", "1MiB"), ("size", 1.5), ("size", None)])
+def test_malformed_blob_size_or_chunk_size(field, value):
+    d = good()
+    d["blobs"]["model"][field] = value
+    msg = error(d)
+    assert "'model'" in msg and field in msg
 
 
 def test_other_run():
