@@ -23,7 +23,7 @@ median is reported, so load from other processes on the machine hits both;
 before each timing dirty pages are flushed and the server left to go idle
 (untimed).
 
-    python bench/checkpoint.py [--lora-mb 20] [--big-mb 1024] [--repeats 3] [--steps 60]
+    python bench/checkpoint.py [--lora-mb 20] [--big-mb 1024] [--repeats 7] [--big-repeats 5] [--steps 60]
                                [--trainer-store s3|file] [--part-mb N] [--download-part-mb N] [--skip a,b]
 
 On a small, shared machine the uploads are CPU-bound (SigV4 hashes every
@@ -239,8 +239,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lora-mb", type=float, default=20, help="LoRA-sized state (MB)")
     p.add_argument("--big-mb", type=float, default=1024, help="full-model-sized state (MB); shrink on small machines")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each commit/load (median reported)")
-    p.add_argument("--big-repeats", type=int, default=3, help="repeats for the full-model-sized state")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats of each commit/load (median reported)")
+    p.add_argument("--big-repeats", type=int, default=5, help="repeats for the full-model-sized state")
     p.add_argument("--steps", type=int, default=60, help="trainer steps for (b)")
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps in (b)")
     p.add_argument("--part-mb", type=float, default=None, help="S3Store multipart part size in MiB (default: the store's)")

@@ -14,7 +14,7 @@ import pytest
 from botocore.response import StreamingBody
 
 from elastic_ft.checkpoint.digest import BlobDigest, blob_sha256
-from elastic_ft.checkpoint.s3 import S3Store, _read_into, parse_s3_uri
+from elastic_ft.checkpoint.s3 import S3Store, _read_into, default_concurrency, parse_s3_uri
 from elastic_ft.checkpoint.store import StoreError, open_store
 
 try:
@@ -200,3 +200,11 @@ def test_body_without_a_direct_socket_is_read_in_pieces_and_hashed_by_chunk(chun
         assert digest.hexdigest() == blob_sha256(bytes(offset) + data, chunk)
     short = memoryview(bytearray(len(data) + 10))
     assert _read_into(StreamingBody(io.BytesIO(data), len(data)), short) == len(data)
+
+
+@pytest.mark.parametrize("cpus,expected", [(1, 3), (2, 6), (3, 9), (64, 10)])
+def test_default_concurrency_is_three_per_usable_cpu_at_most_ten(monkeypatch, cpus, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert default_concurrency() == expected
+    assert S3Store("b", "p", client=object()).max_concurrency == expected
+    assert S3Store("b", "p", client=object(), max_concurrency=2).max_concurrency == 2
