@@ -13,8 +13,9 @@ The digest a manifest records for a blob (``BlobRef.sha256``, with its
 Why chunks: sha256 is sequential, so a plain digest of a large blob is one
 thread's work (about a CPU-second per GB on the 2-core reference machine),
 and a download had to hash its parts in order behind the transfer. Chunk
-digests are independent: each S3 download worker hashes the range it just
-fetched, while its bytes are in cache and other ranges are in flight.
+digests are independent: each S3 download worker hashes each chunk of its
+range as it lands, while the bytes are in that core's cache and other ranges
+are in flight.
 """
 
 from __future__ import annotations
