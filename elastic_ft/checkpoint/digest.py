@@ -90,7 +90,7 @@ class BlobDigest:
         """``preferred`` rounded up to whole chunks: the ranges to fetch so that no chunk is split."""
         if not self.any_order:
             return preferred
-        return max(1, -(-preferred // self.chunk_size)) * self.chunk_size
+        return -(-preferred // self.chunk_size) * self.chunk_size
 
     def update(self, offset: int, piece: memoryview | bytes) -> None:
         """Hash ``piece``, the blob's bytes from ``offset``."""
