@@ -30,6 +30,12 @@ class ObjectNotFound(StoreError):
     """The key does not exist in the store."""
 
 
+class StoreUnavailable(StoreError):
+    """The store could not answer: retries ran out, access was denied, the disk or
+    the network failed. Nothing is known about the object, so nothing may be
+    decided from it (no checkpoint is retired, no blob deleted): stop and retry later."""
+
+
 class ObjectExists(StoreError):
     """A put with ``if_absent=True`` found the key already there (HTTP 412 on S3)."""
 

@@ -77,10 +77,13 @@ def main() -> None:
             raise RuntimeError(f"all_reduce gave {value.item()} with world size {world}")
         step += 1
         if rank == 0:
+            # The step's line goes first: a rank 0 killed between the two writes
+            # then leaves a step recorded twice (harmless), never a step that the
+            # progress counter skips but no line records.
+            append_line(out / "steps.jsonl", {"step": step, "world_size": world})
             tmp = out / "progress.tmp"
             tmp.write_text(str(step))
             os.replace(tmp, out / "progress")
-            append_line(out / "steps.jsonl", {"step": step, "world_size": world})
     dist.barrier()
     dist.destroy_process_group()
 
