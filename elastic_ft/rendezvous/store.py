@@ -38,7 +38,8 @@ from .etcd_client import EtcdClient, EtcdClientError
 CAS_MAX_ATTEMPTS = 1000
 """Compare-and-swap attempts on one key before giving up. Every lost attempt is
 another writer's success, so a key written once by each of N agents (a
-barrier's counter) needs at most N; only a writer stuck in a loop exhausts it."""
+barrier's counter) needs at most N: this covers a barrier of 1000 agents, and
+otherwise only a writer stuck in a loop exhausts it."""
 
 _CAS_BACKOFF_MAX_S = 0.05
 """Longest random pause after a lost attempt, spreading out writers that collide."""
