@@ -9,6 +9,8 @@ finds :func:`elastic_ft.rendezvous.handler.etcd3_handler` through the
   protobuf runtime, retries, failover, TLS and auth, the lease).
 - ``backend``: torch's ``RendezvousBackend``, the state as one key with
   compare-and-set on its revision.
+- ``state_codec``: how that state is written in etcd (digest, base64), so a
+  damaged value is reported, not handed to torch.
 - ``store``: a ``torch.distributed.Store`` in etcd for the agents' bootstrap.
 - ``handler``: builds torch's ``DynamicRendezvousHandler`` from those.
 

@@ -10,17 +10,18 @@ The key is attached to the writing client's lease (see
 :class:`~elastic_ft.rendezvous.etcd_client.EtcdClient`): it lives while agents
 keep writing heartbeats and expires ``lease_ttl`` seconds after the last one, so
 abandoned runs do not pile up in etcd.
+
+The value is encoded with a digest (:mod:`~elastic_ft.rendezvous.state_codec`),
+so a value damaged in etcd is reported rather than handed to torch.
 """
 
 from __future__ import annotations
 
-from torch.distributed.elastic.rendezvous import (
-    RendezvousConnectionError,
-    RendezvousStateError,
-)
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from .etcd_client import EtcdClient, EtcdClientError, KeyValue
+from .state_codec import decode_state, encode_state
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -35,7 +36,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         RendezvousConnectionError: etcd did not answer within the retry window,
             or refused the request (credentials, permissions); the message names
             the endpoint and the cause is chained.
-        RendezvousStateError: the stored token is not a revision number.
+        RendezvousStateError: the state stored in etcd is corrupt (see
+            :mod:`~elastic_ft.rendezvous.state_codec`); the message names the key.
     """
 
     def __init__(self, client: EtcdClient, run_id: str, run_prefix: str) -> None:
@@ -62,36 +64,52 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             current, _ = self._client.get(self._key)
         except EtcdClientError as exc:
             raise connection_error(exc) from exc
-        return None if current is None else (current.value, current.mod_revision)
+        return None if current is None else (self._decode(current), current.mod_revision)
 
     def set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """See base class."""
-        revision: int | None
-        if token is None:
-            revision = None
-        else:
-            try:
-                revision = int(token)
-            except (TypeError, ValueError) as exc:
-                raise RendezvousStateError(
-                    f"The rendezvous fencing token {token!r} is not an etcd revision number; "
-                    f"it must come from get_state() or set_state() of this backend."
-                ) from exc
+        """See base class.
+
+        A token that is not an etcd revision (not an integer in etcd's range)
+        cannot match the key's revision: it is stale, and, as torch's own
+        backends do, the current state and token are returned with ``False``.
+        """
+        revision: int | None = None
+        if token is not None:
+            revision = _revision(token)
+            if revision is None:
+                current = self.get_state()
+                return None if current is None else (*current, False)
         try:
-            written, current = self._client.compare_and_put(self._key, state, revision)
+            written, current = self._client.compare_and_put(
+                self._key, encode_state(state), revision
+            )
         except EtcdClientError as exc:
             raise connection_error(exc) from exc
         if current is None:
             # The compare failed and the key is gone (expired or deleted between
             # our read and write): there is no state to return.
             return None
-        return _as_result(current, written)
+        # On success the client hands back what we wrote; no need to decode it.
+        return (state if written else self._decode(current)), current.mod_revision, written
+
+    def _decode(self, current: KeyValue) -> bytes:
+        return decode_state(current.value, self._key)
 
 
-def _as_result(current: KeyValue, written: bool) -> tuple[bytes, Token, bool]:
-    return current.value, current.mod_revision, written
+_MAX_REVISION = 2**63 - 1  # etcd revisions are int64
+
+
+def _revision(token: Token) -> int | None:
+    """The etcd revision ``token`` stands for, or ``None`` if it cannot be one."""
+    if isinstance(token, bool):
+        return None
+    try:
+        revision = int(token)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return revision if 0 <= revision <= _MAX_REVISION else None
 
 
 def connection_error(exc: EtcdClientError) -> RendezvousConnectionError:

@@ -485,6 +485,23 @@ class EtcdClient:
 
         return self._call("count", op)
 
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, in byte order, without reading their values."""
+
+        def op(c: Any) -> list[str]:
+            etcd3 = self._etcd3
+            req = etcd3.etcdrpc.RangeRequest(
+                key=prefix.encode(),
+                range_end=etcd3.utils.increment_last_byte(prefix.encode()),
+                keys_only=True,
+            )
+            resp = c.kvstub.Range(
+                req, c.timeout, credentials=c.call_credentials, metadata=c.metadata
+            )
+            return [kv.key.decode() for kv in resp.kvs]
+
+        return self._call("list", op)
+
     def wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
         """Block until ``key`` exists, through an etcd watch; ``None`` at ``deadline``.
 

@@ -1,12 +1,15 @@
 """Contract tests of the etcd v3 RendezvousBackend against a real etcd process.
 
-The cases torch's own backend tests cover: first write, stale token,
-concurrent writers, TTL expiry, connection loss; plus recovery from an etcd
-restart through the client's retries.
+The cases torch's own backend tests cover: first write, stale token (a
+token that is no revision is stale too), concurrent writers, TTL expiry,
+connection loss, a corrupt value in etcd; plus recovery from an etcd restart
+through the client's retries, and reading the raw state older versions wrote.
 """
 
 from __future__ import annotations
 
+import pickle
+import re
 import threading
 import time
 
@@ -22,6 +25,11 @@ def make_backend(endpoint: str, run_id: str, **conf: str) -> EtcdV3RendezvousBac
     options = parse_options(endpoint, conf)
     client = EtcdClient(options.connection, name=run_id)
     return EtcdV3RendezvousBackend(client, run_id, options.run_prefix(run_id))
+
+
+def raw_client(endpoint: str, run_id: str) -> EtcdClient:
+    """A client of our own, to read and damage the stored value as another program would."""
+    return EtcdClient(parse_options(endpoint, {}).connection, name=run_id + "-raw")
 
 
 def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
@@ -147,10 +155,69 @@ def test_state_written_after_lease_expired_gets_a_new_lease(etcd, run_id):
     assert backend._client.lease_id != old_lease
 
 
-def test_non_revision_token_is_a_state_error(etcd, run_id):
+@pytest.mark.parametrize(
+    "token",
+    ["not-a-number", object(), -1, 2**64, True, b"\xff"],
+    ids=["text", "object", "negative", "past-int64", "bool", "bytes"],
+)
+def test_token_that_is_not_a_revision_is_stale(etcd, run_id, token):
+    # As torch's backends: the current state and token, and False; nothing written.
+    a = make_backend(etcd.endpoint, run_id)
+    assert a.set_state(b"first", token) is None  # no state yet
+    _, current, _ = a.set_state(b"v1")
+    b = make_backend(etcd.endpoint, run_id)
+    assert b.set_state(b"v2", token) == (b"v1", current, False)
+    assert a.get_state() == (b"v1", current)
+
+
+def test_state_is_stored_encoded_not_raw(etcd, run_id):
     backend = make_backend(etcd.endpoint, run_id)
-    with pytest.raises(RendezvousStateError, match="not an etcd revision"):
-        backend.set_state(b"x", "not-a-number")
+    state = pickle.dumps({"round": 3, "participants": ["node-a"]})
+    backend.set_state(state)
+    stored = raw_client(etcd.endpoint, run_id).get(backend.key)[0].value
+    assert stored.startswith(b"eft-state/1:")
+    assert state not in stored
+
+
+def _corrupt(encoded: bytes) -> dict[str, bytes]:
+    """Ways the value in etcd can be damaged, keyed by a readable name."""
+    header, body = encoded.rsplit(b":", 1)
+    return {
+        "truncated-body": header + b":" + body[:-4],  # still valid base64
+        "altered-body": header + b":" + (b"A" if body[:1] != b"A" else b"B") + body[1:],
+        "not-base64": header + b":" + body[:-2] + b"!!",
+        "no-digest": b"eft-state/1:" + body,
+        "raw-text": b"hello, not a state",
+        "truncated-pickle": pickle.dumps({"x": 1})[:-1],
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("damage", list(_corrupt(b"eft-state/1:0123456789abcdef:AAAA")))
+def test_corrupt_state_in_etcd_is_a_state_error(etcd, run_id, damage):
+    backend = make_backend(etcd.endpoint, run_id)
+    _, token, _ = backend.set_state(pickle.dumps({"round": 1, "nodes": list(range(20))}))
+    raw = raw_client(etcd.endpoint, run_id)
+    encoded = raw.get(backend.key)[0].value
+    raw.put_many([(backend.key, _corrupt(encoded)[damage])], lease=False)
+    with pytest.raises(RendezvousStateError, match=f"etcd key '{re.escape(backend.key)}' is corrupt"):
+        backend.get_state()
+    # A writer with the old token loses and is handed the corrupt state: refused too.
+    with pytest.raises(RendezvousStateError, match="is corrupt"):
+        make_backend(etcd.endpoint, run_id).set_state(b"next", token)
+
+
+def test_raw_pickled_state_of_an_older_version_is_still_read(etcd, run_id):
+    backend = make_backend(etcd.endpoint, run_id)
+    legacy = pickle.dumps({"round": 7, "participants": ["node-a"]})
+    raw = raw_client(etcd.endpoint, run_id)
+    raw.put_many([(backend.key, legacy)], lease=False)
+    state, token = backend.get_state()
+    assert state == legacy
+    # The next write replaces it with the encoded form, readable by a new reader.
+    assert backend.set_state(legacy + b"", token)[2]
+    assert raw.get(backend.key)[0].value.startswith(b"eft-state/1:")
+    assert make_backend(etcd.endpoint, run_id).get_state()[0] == legacy
 
 
 def test_connection_loss_raises_connection_error_naming_endpoint(etcd_private, run_id):

@@ -24,10 +24,15 @@ from elastic_ft.rendezvous.store import EtcdStore
 from threads import run_in_threads
 
 
-def make_store(endpoint: str, run_id: str, timeout: float = 10, **conf: str) -> EtcdStore:
+def make_store(
+    endpoint: str, run_id: str, timeout: float = 10, cas_max_attempts: int | None = None, **conf: str
+) -> EtcdStore:
     options = parse_options(endpoint, conf)
     client = EtcdClient(options.connection, name=run_id)
-    return EtcdStore(client, options.run_prefix(run_id) + "store/", timedelta(seconds=timeout))
+    extra = {} if cas_max_attempts is None else {"cas_max_attempts": cas_max_attempts}
+    return EtcdStore(
+        client, options.run_prefix(run_id) + "store/", timedelta(seconds=timeout), **extra
+    )
 
 
 def test_set_then_get(etcd, run_id):
@@ -91,7 +96,7 @@ def test_wait_override_timeout_and_check(etcd, run_id):
     store.set("a", "1")
     assert store.check(["a"])
     assert not store.check(["a", "b"])
-    with pytest.raises(dist.DistStoreError, match=r"\['b'\]"):
+    with pytest.raises(dist.DistStoreError, match=r"keys: b \(1 of 2 missing"):
         store.wait(["a", "b"], timedelta(seconds=1))
     store.set("b", "2")
     store.wait(["a", "b"])
@@ -145,7 +150,7 @@ def test_multi_set_and_multi_get(etcd, run_id):
 def test_multi_get_blocks_until_all_keys_exist(etcd, run_id):
     store = make_store(etcd.endpoint, run_id, timeout=1)
     store.set("x", "1")
-    with pytest.raises(dist.DistStoreError, match="'y'"):
+    with pytest.raises(dist.DistStoreError, match="Wait timeout after 1000ms, keys: y "):
         store.multi_get(["x", "y"])
 
 
@@ -216,3 +221,61 @@ def test_store_connection_loss_is_a_store_error(etcd_private, run_id):
     etcd_private.stop()
     with pytest.raises(dist.DistStoreError, match=etcd_private.endpoint):
         store.set("k", "v")
+
+
+def meddle_before_each_write(store: EtcdStore, meddler: EtcdStore, key: str, value: bytes):  # type: ignore[no-untyped-def]
+    """Make another client rewrite ``key`` (same value, new revision) right before
+    each of ``store``'s compare-and-put calls, so that every one of them loses;
+    returns the list of calls made. After 50 calls it stops meddling, so that a
+    loop without a bound ends too."""
+    client = store.client
+    original = client.compare_and_put
+    calls: list[str] = []
+
+    def compare_and_put(full_key, new, revision):  # type: ignore[no-untyped-def]
+        calls.append(full_key)
+        if len(calls) <= 50:
+            meddler.set(key, value)
+        return original(full_key, new, revision)
+
+    client.compare_and_put = compare_and_put  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda store: store.add("hot", 1),
+        lambda store: store.append("hot", "x"),
+        lambda store: store.compare_set("hot", "7", "8"),
+    ],
+    ids=["add", "append", "compare_set"],
+)
+def test_compare_and_swap_gives_up_after_bounded_attempts(etcd, run_id, operation):
+    store = make_store(etcd.endpoint, run_id, cas_max_attempts=5)
+    meddler = make_store(etcd.endpoint, run_id)
+    meddler.set("hot", "7")
+    calls = meddle_before_each_write(store, meddler, "hot", b"7")
+    with pytest.raises(dist.DistStoreError, match=r"'hot' after 5 compare-and-swap attempts"):
+        operation(store)
+    assert len(calls) == 5
+    assert meddler.get("hot") == b"7"  # the failed call wrote nothing
+
+
+def test_compare_and_swap_gives_up_at_the_store_timeout(etcd, run_id):
+    # A store timeout of 0 leaves time for exactly one attempt.
+    store = make_store(etcd.endpoint, run_id, timeout=0)
+    meddler = make_store(etcd.endpoint, run_id)
+    meddler.set("hot", "1")
+    calls = meddle_before_each_write(store, meddler, "hot", b"1")
+    with pytest.raises(dist.DistStoreError, match=r"'hot' after 1 compare-and-swap attempts"):
+        store.add("hot", 1)
+    assert len(calls) == 1
+
+
+def test_add_on_a_value_that_is_not_a_counter_names_the_key(etcd, run_id):
+    store = make_store(etcd.endpoint, run_id)
+    make_store(etcd.endpoint, run_id).set("text", "abc")
+    with pytest.raises(ValueError, match=r"key 'text' holds b'abc', not a decimal integer"):
+        store.add("text", 1)
+    assert store.get("text") == b"abc"
