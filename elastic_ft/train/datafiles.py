@@ -127,8 +127,9 @@ def _check_json(path: str, where: str, fields: dict[str, str]) -> None:
             if problem is not None and not isinstance(value, dict):
                 raise _line_error(where, path, lineno, problem)
             seen.update(value)
-            # Keep reading: a field that no record has is the spec's mistake, reported as such.
-            first = first or (problem and _line_error(where, path, lineno, problem))
+            if problem is not None and first is None:
+                # Keep reading: a field that no record has is the spec's mistake, reported as such.
+                first = _line_error(where, path, lineno, problem)
     if records == 0:
         raise _blank_error(where, path)
     _raise_field_problems(fields, seen, first)
