@@ -162,3 +162,12 @@ def test_torchx_component_argument_error_has_no_traceback():
     assert proc.returncode != 0, explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
     assert proc.stderr.strip().splitlines()[-1].strip() == "--nnodes '3:2': need 1 <= MIN <= MAX", explain(proc)
+
+
+def test_null_in_a_parquet_column_names_the_record(tmp_path):
+    import datasets
+
+    path = str(tmp_path / "corpus.parquet")
+    datasets.Dataset.from_dict({"text": ["good", None, "good"]}).to_parquet(path)
+    with pytest.raises(data_mod.DataError, match=r"^data record 2: field 'text' is null, not text"):
+        load(path, text_field="text")
