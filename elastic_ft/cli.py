@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -76,9 +77,63 @@ def _gc(args) -> int:
     return 0
 
 
+class ArgumentError(ValueError):
+    """A command-line argument that cannot work, found before anything is loaded; the message names it."""
+
+
+def out_dir_problem(out: str) -> str | None:
+    """Why ``out`` cannot be the export directory (an existing file, or under one), or None.
+
+    An existing directory is fine: export writes its files into it.
+    """
+    if os.path.isdir(out):
+        return None
+    if os.path.lexists(out):
+        return f"{out!r} is an existing file; name a directory (new or existing)"
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{out!r} cannot be created: {parent!r} is a file; name a directory"
+    return None
+
+
+def missing_step_problem(step: int, steps: list[int], *, shown: int = 10) -> str | None:
+    """Why ``--step`` cannot be exported (no committed checkpoint there), naming the steps there are; or None."""
+    if step in steps:
+        return None
+    if not steps:
+        return f"has no committed checkpoint at step {step}, nor at any other step"
+    listed = ", ".join(map(str, steps[-shown:]))
+    more = f" (the newest {shown} of {len(steps)})" if len(steps) > shown else ""
+    return f"has no committed checkpoint at step {step}; its committed steps{more}: {listed}"
+
+
+def _check_export_args(args) -> None:
+    """Refuse a bad ``--out`` or ``--step`` before export loads any checkpoint or model."""
+    problem = out_dir_problem(args.out)
+    if problem:
+        raise ArgumentError(f"export --out {problem}")
+    if args.step is None:
+        return
+    from elastic_ft.checkpoint.manifest import step_of_key
+    from elastic_ft.checkpoint.reader import list_manifests
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(args.uri)
+    try:
+        steps = [step_of_key(info.key) for info in list_manifests(store)]
+    finally:
+        store.close()
+    problem = missing_step_problem(args.step, steps)
+    if problem:
+        raise ArgumentError(f"export --step {args.step}: {args.uri} {problem}")
+
+
 def _export(args) -> int:
     from elastic_ft.export import export
 
+    _check_export_args(args)
     result = export(args.uri, args.out, step=args.step)
     kind = "PEFT adapter" if result["lora"] else "model"
     print(f"exported step {result['step']} as a {kind} to {result['out']}")
@@ -118,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except USER_ERRORS as exc:
+    except USER_ERRORS + (ArgumentError,) as exc:
         print(f"elastic-ft: error: {exc}", file=sys.stderr)
         return 2
 

@@ -7,6 +7,7 @@ and leave between the min and max node counts.
 """
 
 
+import functools
 import re
 import shlex
 from typing import Dict, Optional
@@ -14,8 +15,38 @@ from typing import Dict, Optional
 import torchx
 import torchx.specs as specs
 from torchx.specs import macros
+from torchx.specs.finder import ComponentValidationException
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
+
+
+class ComponentArgumentError(ComponentValidationException, ValueError):
+    """A component argument that cannot work; the message names it.
+
+    ``torchx run`` prints a ComponentValidationException as its message under
+    one header line ("Failed to run component ... got errors:") and exits 1;
+    any other exception from a component gets a full traceback. To Python
+    callers it is a ValueError.
+    """
+
+
+def _argument_errors(component):
+    """Raise the ValueErrors of ``component`` as :class:`ComponentArgumentError`, so torchx shows no traceback.
+
+    torchx reads a component's signature and docstring through ``functools.wraps``
+    and lints its source, which the decorator leaves as it is.
+    """
+
+    @functools.wraps(component)
+    def checked(*args, **kwargs):
+        try:
+            return component(*args, **kwargs)
+        except ComponentArgumentError:
+            raise
+        except ValueError as exc:
+            raise ComponentArgumentError(str(exc)) from exc
+
+    return checked
 
 
 def parse_nnodes(nnodes: str) -> "tuple[int, int]":
@@ -30,6 +61,7 @@ def parse_nnodes(nnodes: str) -> "tuple[int, int]":
     return lo, hi
 
 
+@_argument_errors
 def train(
     *overrides: str,
     nnodes: str = "1",

@@ -12,7 +12,7 @@ import os
 import sys
 
 from elastic_ft.checkpoint.manifest import ManifestError
-from elastic_ft.checkpoint.store import StoreError
+from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.train.data import DataError
 from elastic_ft.train.scaling import BatchPlanError
@@ -41,6 +41,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     for noisy in ("transformers", "peft", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
+        check_uri(args.checkpoint_uri)  # as typed, before any work: joined with the run id it reads garbled
         spec = load_spec(args.spec, args.overrides)
         run_id = args.run_id or spec.name
         log_dir = args.log_dir or spec.logging.dir.format(run_id=run_id)

@@ -160,12 +160,14 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     The prefix is empty or ends with one '/', so keys join without doubling it.
     """
     parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme.lower() != "s3" or not parsed.netloc:
+    if parsed.scheme.lower() != "s3":
         raise StoreError(f"{uri!r} is not an S3 URI; write it as s3://bucket/prefix")
+    if not parsed.netloc:
+        raise StoreError(f"S3 URI {uri!r} names no bucket; write it as s3://bucket/prefix")
     if parsed.query or parsed.fragment:
         raise StoreError(f"S3 URI {uri!r} has a query or fragment; write it as s3://bucket/prefix")
     prefix = parsed.path.strip("/")
-    if "//" in prefix:
+    if "//" in parsed.path.rstrip("/"):
         raise StoreError(f"S3 URI {uri!r} has an empty path segment ('//'); remove it")
     return parsed.netloc, (prefix + "/" if prefix else "")
 

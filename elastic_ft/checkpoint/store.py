@@ -219,10 +219,14 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def open_store(uri: str) -> ObjectStore:
-    """Open the store for a run's URI: ``file:///abs/dir``, a plain path, or ``s3://bucket/prefix``.
+def check_uri(uri: str) -> str | None:
+    """The local path of a file URI (or plain path), None for S3; raises for a URI :func:`open_store` refuses.
 
-    Raises :class:`UnsupportedURI` naming the scheme for anything else.
+    Opens nothing, so a command can check the URI as the user typed it before
+    any work, and the message quotes exactly that: joining a run id onto a bad
+    base first would garble it ('s3://' + 'run' reads 's3:/run'). A file URI
+    without a path ('file://', '') is refused: joined with a run id it would
+    silently mean '/run', at the filesystem root.
     """
     parsed = urllib.parse.urlparse(uri)
     scheme = parsed.scheme.lower()
@@ -232,14 +236,32 @@ def open_store(uri: str) -> ObjectStore:
                 f"checkpoint URI {uri!r}: file URIs must be file:///absolute/path or file://./relative/path"
             )
         path = (parsed.netloc + parsed.path) if parsed.netloc == "." else (parsed.path if scheme else uri)
-        return LocalStore(path, uri=uri)
+        if not path:
+            raise UnsupportedURI(
+                f"checkpoint URI {uri!r} has no path; write file:///absolute/path or file://./relative/path"
+            )
+        return path
     if scheme == "s3":
-        from elastic_ft.checkpoint.s3 import S3Store  # boto3 is heavy: import only when used
+        from elastic_ft.checkpoint.s3 import parse_s3_uri  # the SDK itself is imported only by a store
 
-        return S3Store.from_uri(uri)
+        parse_s3_uri(uri)
+        return None
     raise UnsupportedURI(
         f"checkpoint URI {uri!r} has unsupported scheme {parsed.scheme!r}; use file:///path or s3://bucket/prefix"
     )
+
+
+def open_store(uri: str) -> ObjectStore:
+    """Open the store for a run's URI: ``file:///abs/dir``, a plain path, or ``s3://bucket/prefix``.
+
+    Raises :class:`UnsupportedURI` naming the scheme for anything else (see :func:`check_uri`).
+    """
+    path = check_uri(uri)
+    if path is not None:
+        return LocalStore(path, uri=uri)
+    from elastic_ft.checkpoint.s3 import S3Store  # boto3 is heavy: import only when used
+
+    return S3Store.from_uri(uri)
 
 
 def join_uri(base: str, *parts: str) -> str:
@@ -260,6 +282,7 @@ __all__ = [
     "StoreError",
     "UnsupportedURI",
     "check_blob",
+    "check_uri",
     "join_uri",
     "open_store",
 ]

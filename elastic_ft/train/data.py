@@ -14,13 +14,10 @@ import os
 import torch
 
 from elastic_ft.config import DataConfig
+from elastic_ft.train.datafiles import DataError, check_files, kind_of, missing_field_error, needed_fields
 
 IGNORE = -100
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
-
-
-class DataError(ValueError):
-    """The data section of the spec cannot be loaded."""
 
 
 @dataclasses.dataclass
@@ -55,42 +52,58 @@ def load_records(cfg: DataConfig):
     fmt = cfg.format or _FORMATS.get(os.path.splitext(cfg.files[0])[1].lower())
     if fmt is None:
         raise DataError(f"data.format: cannot infer the format of {cfg.files[0]!r}; set data.format to json, parquet or text")
+    check_files(cfg, fmt)
     try:
         return datasets.load_dataset(fmt, data_files=list(cfg.files), split="train")
     except Exception as exc:
         raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {exc}") from exc
 
 
+def texts_of(records, field: str) -> list[str]:
+    """The column ``field`` as texts; a null or non-text value is a :class:`DataError` naming its record.
+
+    Files were checked line by line already; this catches the same in parquet
+    files and hub datasets (records numbered from 1, across all files).
+    """
+    try:
+        texts = list(records[field])
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data field {field!r} holds text that is not UTF-8 ({exc.reason}); fix the data") from exc
+    for number, text in enumerate(texts, 1):
+        if not isinstance(text, str):
+            raise DataError(f"data record {number}: field {field!r} is {kind_of(text)}, not text; fix or remove that record")
+    return texts
+
+
 def tokenize(records, cfg: DataConfig, tokenizer) -> TokenizedData:
     """Fixed-length samples of ``cfg.max_length`` tokens from ``records``."""
     columns = set(records.column_names)
-    needed = [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
-    for field in needed:
+    for field in needed_fields(cfg):
         if field not in columns:
-            raise DataError(f"data field {field!r} is not in the data; it has columns {sorted(columns)}")
+            raise missing_field_error(field, columns)
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     prefix = [bos] if bos is not None else []
     length = cfg.max_length
     rows: list[tuple[list[int], list[int]]] = []  # (ids, labels) before padding
 
-    def encode(texts):
-        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    def encode(field):
+        return tokenizer(texts_of(records, field), add_special_tokens=False)["input_ids"]
 
     if cfg.prompt_field:
-        prompts, responses = encode(records[cfg.prompt_field]), encode(records[cfg.response_field])
+        prompts, responses = encode(cfg.prompt_field), encode(cfg.response_field)
         for p, r in zip(prompts, responses):
             ids = (prefix + p + r + [eos])[:length]
             labels = ([IGNORE] * (len(prefix) + len(p)) + r + [eos])[:length]
             rows.append((ids, labels))
     elif cfg.packing:
         stream: list[int] = []
-        for ids in encode(records[cfg.text_field]):
+        for ids in encode(cfg.text_field):
             stream += prefix + ids + [eos]
         for start in range(0, len(stream) - length + 1, length):
             block = stream[start : start + length]
             rows.append((block, list(block)))
     else:
-        for ids in encode(records[cfg.text_field]):
+        for ids in encode(cfg.text_field):
             ids = (prefix + ids + [eos])[:length]
             rows.append((ids, list(ids)))
     if not rows:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic_ft.config import JobSpec, ModelConfig
+from elastic_ft.config import ConfigError, JobSpec, ModelConfig
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -61,11 +61,41 @@ def build_base_model(cfg: ModelConfig, tokenizer, seed: int):
     return model.to(dtype)
 
 
+def unmatched_targets(module_names: list[str], targets: list[str]) -> list[str]:
+    """The ``targets`` that match no module name, by peft's rule for a list.
+
+    peft adapts a module whose full name equals an entry or ends with "." + the
+    entry; it raises only when *no* entry matches, and silently skips the
+    others, so a typo in one entry would train without that adapter.
+    """
+    return [t for t in targets if not any(n == t or n.endswith("." + t) for n in module_names)]
+
+
+def adaptable_names(model) -> list[str]:
+    """Distinct leaf names of the modules LoRA usually adapts (Linear, GPT-2's Conv1D): what to suggest."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if name and type(module).__name__ in ("Linear", "Conv1D")}
+    return sorted(names)
+
+
+def check_target_modules(model, targets: list[str]) -> None:
+    """Raise :class:`ConfigError` naming each ``lora.target_modules`` entry that matches no module."""
+    missing = unmatched_targets([name for name, _ in model.named_modules()], targets)
+    if missing:
+        names = " and ".join(map(repr, missing))
+        verb = "matches" if len(missing) == 1 else "match"
+        known = ", ".join(adaptable_names(model)) or "(none)"
+        raise ConfigError([("lora.target_modules", f"{names} {verb} no module of the model; "
+                                                   f"its Linear/Conv1D modules are named: {known}")])
+
+
 def apply_lora(model, spec: JobSpec):
     """Wrap ``model`` with LoRA adapters (or leave it whole for a full fine-tune)."""
     if spec.lora is None:
         return model
     from peft import LoraConfig, get_peft_model
+
+    check_target_modules(model, list(spec.lora.target_modules))
 
     lora = LoraConfig(
         r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,

@@ -1,0 +1,193 @@
+"""Local data files checked line by line before ``datasets`` reads them.
+
+``datasets`` reports a bad JSON Lines file as "An error occurred while
+generating the dataset" (at best an Arrow row number), passes a record that
+lacks a field on as a null that crashes the tokenizer, and lets bytes that are
+not UTF-8 through until a column is read. So every json and text file is read
+once here first, and the first unusable line is named as ``data.files[I]:LINE``
+with what is wrong and what to do. The scan is one pass of ``json.loads`` per
+line: small next to tokenizing the same texts, which every rank does anyway.
+
+Edge cases: a leading UTF-8 byte-order mark is ignored (``datasets`` strips it
+too); blank lines in JSON Lines are skipped (Arrow skips them); a file that is
+one JSON document (a list of records, or an object) is checked as a whole, its
+records numbered from 1; a field that no record has is reported as the spec's
+mistake (the field name), not as a line of the data.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+
+from elastic_ft.config import DataConfig
+
+
+class DataError(ValueError):
+    """The data section of the spec cannot be loaded."""
+
+
+def needed_fields(cfg: DataConfig) -> dict[str, str]:
+    """The record fields the spec reads, each with the spec field that names it."""
+    if cfg.prompt_field:
+        return {cfg.prompt_field: "data.prompt_field", cfg.response_field: "data.response_field"}
+    return {cfg.text_field: "data.text_field"}
+
+
+def missing_field_error(field: str, columns) -> DataError:
+    return DataError(f"data field {field!r} is not in the data; it has columns {sorted(columns)}")
+
+
+def kind_of(value) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+def record_problem(value, fields: dict[str, str]) -> str | None:
+    """Why a parsed record cannot be trained on (not an object, a needed field absent or not text), or None."""
+    if not isinstance(value, dict):
+        return f"{kind_of(value)}, not a JSON object with field(s) {', '.join(map(repr, fields))}"
+    for field, spec_field in fields.items():
+        if field not in value:
+            return f"no field {field!r} ({spec_field}); the record has {sorted(value)}"
+        if not isinstance(value[field], str):
+            return f"field {field!r} is {kind_of(value[field])}, not text"
+    return None
+
+
+BLANK = object()
+"""What :func:`parse_line` returns for a blank line."""
+
+
+class LineProblem(ValueError):
+    """One line cannot be read; ``str(exc)`` says why."""
+
+
+def _not_utf8(raw: bytes, exc: UnicodeDecodeError) -> LineProblem:
+    return LineProblem(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line)")
+
+
+def parse_line(raw: bytes, *, first: bool = False):
+    """The JSON value of one line of bytes, or :data:`BLANK`; raises :class:`LineProblem` saying why not."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(raw, exc) from None
+    if not text.strip():
+        return BLANK
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LineProblem(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def check_files(cfg: DataConfig, fmt: str) -> None:
+    """Raise :class:`DataError` for the first empty file or unusable line of ``cfg.files`` read as ``fmt``."""
+    fields = needed_fields(cfg)
+    for index, path in enumerate(cfg.files):
+        where = f"data.files[{index}]"
+        if os.path.getsize(path) == 0:
+            raise DataError(f"{where}: {path!r} is empty; add records to it or remove it from data.files")
+        if fmt == "json":
+            _check_json(path, where, fields)
+        elif fmt == "text":
+            _check_text(path, where)
+
+
+def _line_error(where: str, path: str, lineno: int, problem: str) -> DataError:
+    return DataError(f"{where}:{lineno}: {problem}; fix or remove line {lineno} of {path!r}")
+
+
+def _blank_error(where: str, path: str) -> DataError:
+    return DataError(f"{where}: {path!r} has only blank lines; add records to it or remove it from data.files")
+
+
+def _check_json(path: str, where: str, fields: dict[str, str]) -> None:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+    if head.startswith(b"["):
+        return _check_json_document(path, where, fields)
+    seen: set[str] = set()
+    first: DataError | None = None
+    records = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                value = parse_line(raw, first=lineno == 1)
+            except LineProblem as exc:
+                if records == 0 and head.startswith(b"{") and _is_json_document(path):
+                    return  # one (pretty-printed) JSON object: datasets reads it column-wise
+                raise _line_error(where, path, lineno, str(exc)) from None
+            if value is BLANK:
+                continue
+            records += 1
+            problem = record_problem(value, fields)
+            if problem is not None and not isinstance(value, dict):
+                raise _line_error(where, path, lineno, problem)
+            seen.update(value)
+            if problem is not None and first is None:
+                # Keep reading: a field that no record has is the spec's mistake, reported as such.
+                first = _line_error(where, path, lineno, problem)
+    if records == 0:
+        raise _blank_error(where, path)
+    _raise_field_problems(fields, seen, first)
+
+
+def _raise_field_problems(fields: dict[str, str], seen: set[str], first: DataError | None) -> None:
+    """A field in no record is the spec's mistake (say which fields exist); otherwise the first bad record."""
+    for field in fields:
+        if field not in seen:
+            raise missing_field_error(field, seen)
+    if first is not None:
+        raise first
+
+
+def _is_json_document(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _check_json_document(path: str, where: str, fields: dict[str, str]) -> None:
+    """A file holding one JSON array: records (objects, or strings read as a 'text' field) numbered from 1."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        doc = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise _line_error(where, path, lineno, f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+    except json.JSONDecodeError as exc:
+        raise _line_error(where, path, exc.lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not doc:
+        raise DataError(f"{where}: {path!r} is an empty JSON array; add records to it or remove it from data.files")
+    seen: set[str] = set()
+    first: DataError | None = None
+    for number, value in enumerate(doc, 1):
+        record = {"text": value} if isinstance(value, str) else value
+        problem = record_problem(record, fields)
+        if problem is not None and first is None:
+            first = DataError(f"{where} record {number}: {problem}; fix or remove record {number} of {path!r}")
+            if not isinstance(record, dict):
+                raise first
+        if isinstance(record, dict):
+            seen.update(record)
+    _raise_field_problems(fields, seen, first)
+
+
+def _check_text(path: str, where: str) -> None:
+    blank = True
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise _line_error(where, path, lineno, str(_not_utf8(raw, exc))) from None
+            blank = blank and not text.strip()
+    if blank:
+        raise _blank_error(where, path)
