@@ -14,7 +14,8 @@ What this adds over a plain ``put_object``/``get_object``:
   known size (``get_verified``: the manifest gives it) sends the first ranged
   GET and, as soon as its Content-Range total has matched that size (else
   :class:`BlobMismatch`, before anything of the claimed size is allocated),
-  the others, at most ``2 * max_concurrency`` in flight; ``get`` fetches the first ``download_part_size`` bytes, learns the size from
+  the others, at most ``2 * max_concurrency`` in flight; ``get`` fetches
+  the first ``download_part_size`` bytes, learns the size from
   Content-Range and fetches the rest pinned to that ETag (``If-Match``). The
   answers must agree on the ETag, so an overwrite during a download restarts
   it instead of mixing two versions. The ranges are read straight into one
@@ -28,15 +29,16 @@ What this adds over a plain ``put_object``/``get_object``:
   (SlowDown, 503, 429), other 5xx, dropped/reset/timed-out connections and
   truncated bodies. Each retry is logged at WARNING with the object's URI and
   the error (never credentials). When attempts run out,
-  :class:`StoreUnavailable` states the count and the key.
+  :class:`StoreUnavailable` states the count and the key. botocore's own
+  retries are switched off in the clients this module builds, so this policy
+  is the one in force; a client passed in keeps whatever retry settings its
+  owner gave it.
 - **Errors.** A 404 is :class:`ObjectNotFound`; an object whose size or
   digest differs from the manifest's, as the server consistently answers, is
   :class:`BlobMismatch`. Everything else that stops a request (retries run
   out, AccessDenied/403, expired or missing credentials, no such bucket, an
   error nobody classified) is :class:`StoreUnavailable`: the store could not
-  answer, and callers must not conclude anything about the object. botocore's own retries are switched off in the
-  clients this module builds, so this policy is the one in force; a client
-  passed in keeps whatever retry settings its owner gave it.
+  answer, and callers must not conclude anything about the object.
 - **Configuration.** Endpoint, region, credentials and profiles come from the
   usual boto3 sources (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
   ``AWS_PROFILE``, ``~/.aws/config``); nothing here overrides them unless the
@@ -647,10 +649,11 @@ class S3Store(ObjectStore):
         hashes the whole range again.
         """
 
-        def wrong_size(total: int | str) -> Exception:
+        def wrong_size(total: int | None) -> Exception:
+            """``total``: the size the answer gave, None for a 416 (the object ends before ``start``)."""
             if not confirms:
                 return _ObjectChanged()
-            if total == "short":
+            if total is None:
                 return BlobMismatch(
                     f"blob {key!r} ({self.join(key)}) is shorter than the {expect_total} bytes its manifest records"
                 )
@@ -668,7 +671,7 @@ class S3Store(ObjectStore):
                 if etag is not None and _status(exc) == 412:
                     raise _ObjectChanged() from exc
                 if expect_total is not None and _status(exc) == 416:  # a range past the object's end
-                    raise wrong_size("short") from exc
+                    raise wrong_size(None) from exc
                 raise
             body = resp["Body"]
             declared = resp.get("ContentLength")
