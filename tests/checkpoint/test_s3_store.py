@@ -115,7 +115,8 @@ def test_store_wrong_credentials_fail_at_once_without_leaking(s3_env, s3_servers
     try:
         with caplog.at_level(logging.WARNING, logger="elastic_ft.checkpoint.s3"):
             # Unavailable, not corrupt: a checkpoint is never judged by a store that refused to answer.
-            with pytest.raises(StoreUnavailable, match=r"put of \S*ckpt/x was refused \(SignatureDoesNotMatch\)") as info:
+            refused = r"put of \S*ckpt/x was refused \(SignatureDoesNotMatch\)"
+            with pytest.raises(StoreUnavailable, match=refused) as info:
                 store.put("ckpt/x", b"x")
             with pytest.raises(StoreUnavailable, match=r"get of \S*ckpt/y was refused \(SignatureDoesNotMatch\)"):
                 store.get_verified("ckpt/y", size=3 * MiB, sha256="0" * 64, chunk_size=MiB)
