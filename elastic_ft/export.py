@@ -17,6 +17,7 @@ from elastic_ft.checkpoint.manifest import manifest_key
 from elastic_ft.checkpoint.reader import load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.store import StoreError, open_store
 from elastic_ft.config import spec_from_dict
+from elastic_ft.filemode import FileTree
 from elastic_ft.train import model as model_mod
 
 
@@ -36,6 +37,8 @@ def export(uri: str, out: str, *, step: int | None = None) -> dict:
     tokenizer, model = model_mod.build(spec)
     model_mod.load_trainable_state(model, loaded.tensors["model"])
     os.makedirs(out, exist_ok=True)
+    # safetensors saves through a 0600 temporary file: give what we write the mode the umask implies.
+    before = FileTree.of(out)
     model.save_pretrained(out)
     if spec.lora is None:
         tokenizer.save_pretrained(out)
@@ -50,4 +53,5 @@ def export(uri: str, out: str, *, step: int | None = None) -> dict:
         cfg["base_model_name_or_path"] = base_dir
         with open(cfg_path, "w") as f:
             json.dump(cfg, f, indent=2)
+    before.apply_umask_to_written()
     return {"step": loaded.manifest.step, "out": out, "lora": spec.lora is not None}

@@ -80,9 +80,12 @@ class BlobDigest:
     def __init__(self, size: int, chunk_size: int) -> None:
         self.size = size
         self.chunk_size = chunk_size
-        count = chunk_count(size, chunk_size)
-        self.any_order = count > 1
-        self._chunks: list[bytes | None] = [None] * count
+        self._count = chunk_count(size, chunk_size)
+        self.any_order = self._count > 1
+        # Filled as chunks land, not allocated up front: ``size`` comes from a
+        # manifest, and a corrupt one (10**15 bytes) must not cost memory
+        # before the store has checked it against the object's real size.
+        self._chunks: dict[int, bytes] = {}
         self._plain = hashlib.sha256()
         self._next = 0
 
@@ -111,7 +114,7 @@ class BlobDigest:
             if self._next != self.size:
                 raise ValueError(f"only {self._next} of {self.size} bytes were hashed")
             return self._plain.hexdigest()
-        missing = self._chunks.count(None)
+        missing = self._count - len(self._chunks)
         if missing:
-            raise ValueError(f"{missing} of {len(self._chunks)} chunks were not hashed")
-        return _compose(self._chunks)  # type: ignore[arg-type]
+            raise ValueError(f"{missing} of {self._count} chunks were not hashed")
+        return _compose(self._chunks[i] for i in range(self._count))

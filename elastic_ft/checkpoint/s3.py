@@ -11,9 +11,11 @@ What this adds over a plain ``put_object``/``get_object``:
 - **Large objects.** At ``multipart_threshold`` bytes and above, a put is a
   multipart upload whose parts go up in parallel and which is aborted if any
   part finally fails (so no invisible parts are left to bill). A download of
-  known size (``get_verified``: the manifest gives it) sends every ranged GET
-  at once and checks each answer's Content-Range total against that size;
-  ``get`` fetches the first ``download_part_size`` bytes, learns the size from
+  known size (``get_verified``: the manifest gives it) sends the first ranged
+  GET and, as soon as its Content-Range total has matched that size (else
+  :class:`BlobMismatch`, before anything of the claimed size is allocated),
+  the others, at most ``2 * max_concurrency`` in flight; ``get`` fetches
+  the first ``download_part_size`` bytes, learns the size from
   Content-Range and fetches the rest pinned to that ETag (``If-Match``). The
   answers must agree on the ETag, so an overwrite during a download restarts
   it instead of mixing two versions. The ranges are read straight into one
@@ -26,10 +28,17 @@ What this adds over a plain ``put_object``/``get_object``:
   exponential backoff with jitter, ``max_attempts`` in all) on throttling
   (SlowDown, 503, 429), other 5xx, dropped/reset/timed-out connections and
   truncated bodies. Each retry is logged at WARNING with the object's URI and
-  the error (never credentials). When attempts run out, :class:`StoreError`
-  states the count and the key. botocore's own retries are switched off in the
-  clients this module builds, so this policy is the one in force; a client
-  passed in keeps whatever retry settings its owner gave it.
+  the error (never credentials). When attempts run out,
+  :class:`StoreUnavailable` states the count and the key. botocore's own
+  retries are switched off in the clients this module builds, so this policy
+  is the one in force; a client passed in keeps whatever retry settings its
+  owner gave it.
+- **Errors.** A 404 is :class:`ObjectNotFound`; an object whose size or
+  digest differs from the manifest's, as the server consistently answers, is
+  :class:`BlobMismatch`. Everything else that stops a request (retries run
+  out, AccessDenied/403, expired or missing credentials, no such bucket, an
+  error nobody classified) is :class:`StoreUnavailable`: the store could not
+  answer, and callers must not conclude anything about the object.
 - **Configuration.** Endpoint, region, credentials and profiles come from the
   usual boto3 sources (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
   ``AWS_PROFILE``, ``~/.aws/config``); nothing here overrides them unless the
@@ -45,7 +54,9 @@ What this adds over a plain ``put_object``/``get_object``:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
 import http.client
 import logging
 import mmap
@@ -53,12 +64,20 @@ import os
 import re
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from elastic_ft.checkpoint.digest import BlobDigest
 from elastic_ft.checkpoint.segments import Data, Segments, as_segments
-from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+from elastic_ft.checkpoint.store import (
+    BlobMismatch,
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +107,23 @@ _TRANSIENT_CODES = frozenset(
         "BadDigest",  # the body was damaged on the way in; sending it again is the fix
         "IncompleteBody",
         "XAmzContentSHA256Mismatch",
+    }
+)
+
+
+# Error codes for credentials that were valid once and have run out.
+_EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "RequestExpired"})
+
+# Error codes for a request the server refused to serve with these credentials.
+_REFUSED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "InvalidSecurity",
     }
 )
 
@@ -378,14 +414,21 @@ class S3Store(ObjectStore):
         except Exception as exc:
             if is_transient(exc):
                 attempts = retrying.statistics.get("attempt_number", self.max_attempts)
-                raise StoreError(
+                raise StoreUnavailable(
                     f"S3 {what} of {uri} failed after {attempts} attempts; last error: {_describe(exc)}. "
                     "Check the endpoint, network and server health, or raise max_attempts."
                 ) from exc
             raise
 
     def _client_error(self, what: str, key: str, exc: BaseException) -> StoreError:
-        """Map a non-transient boto3 error to a domain error naming the object."""
+        """Map a non-transient boto3 error to a domain error naming the object.
+
+        Only a 404 says something about the object (:class:`ObjectNotFound`);
+        everything else (access denied, expired or missing credentials, no such
+        bucket, an error nobody classified) is :class:`StoreUnavailable`: the
+        store did not answer, so nothing may be concluded about the object.
+        Messages carry the error code, never credentials.
+        """
         from botocore import exceptions as bexc
 
         uri = self.join(key)
@@ -396,18 +439,30 @@ class S3Store(ObjectStore):
             if code in ("NoSuchKey", "NotFound") or (status == 404 and code != "NoSuchBucket"):
                 return ObjectNotFound(f"{uri} does not exist")
             if code == "NoSuchBucket":
-                return StoreError(f"S3 {what} of {uri} failed: bucket {self.bucket!r} does not exist; create it first")
-            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-                return StoreError(
-                    f"S3 {what} of {uri} was refused ({code}); check the credentials and the bucket policy"
+                return StoreUnavailable(
+                    f"S3 {what} of {uri} failed: bucket {self.bucket!r} does not exist; create it first"
                 )
-            return StoreError(f"S3 {what} of {uri} failed: {_describe(exc)}: {exc}")
+            if code in _EXPIRED_CODES:
+                return StoreUnavailable(
+                    f"S3 {what} of {uri} was refused ({code}): the credentials have expired; "
+                    "refresh them (e.g. aws sso login, or a new session token) and retry"
+                )
+            if code in _REFUSED_CODES or status == 403:
+                return StoreUnavailable(
+                    f"S3 {what} of {uri} was refused ({code or 'HTTP 403'}); "
+                    "check the credentials and the bucket policy"
+                )
+            return StoreUnavailable(
+                f"S3 {what} of {uri} failed: {_describe(exc)}; check the endpoint and the server's logs, then retry"
+            )
         if isinstance(exc, bexc.NoCredentialsError):
-            return StoreError(
+            return StoreUnavailable(
                 f"S3 {what} of {uri} failed: no AWS credentials were found; "
                 "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
-        return StoreError(f"S3 {what} of {uri} failed: {_describe(exc)}")
+        return StoreUnavailable(
+            f"S3 {what} of {uri} failed: {_describe(exc)}; check the endpoint, credentials and network, then retry"
+        )
 
     # -- put --------------------------------------------------------------------
 
@@ -547,9 +602,10 @@ class S3Store(ObjectStore):
                 data = self._download_once(key, s3key, expect_size, digest)
             except _ObjectChanged:
                 if attempt == restarts:
-                    raise StoreError(
-                        f"{self.join(key)} was overwritten during each of {restarts} download attempts; "
-                        "blobs are meant to be immutable: check for another writer"
+                    # Never a BlobMismatch: no two answers agreed on what the object is.
+                    raise StoreUnavailable(
+                        f"{self.join(key)} changed (size or ETag) during each of {restarts} download attempts; "
+                        "blobs are meant to be immutable: check for another writer, then retry"
                     ) from None
                 log.warning("%s changed during download; restarting it", self.join(key))
                 continue
@@ -573,23 +629,41 @@ class S3Store(ObjectStore):
         end: int,
         etag: str | None,
         what: str,
-        into: memoryview | None = None,
+        into: memoryview | Callable[[], memoryview] | None = None,
         expect_total: int | None = None,
         digest: BlobDigest | None = None,
+        confirms: bool = False,
     ) -> tuple[bytes | None, dict]:
         """GET bytes ``start..end`` (inclusive); retried as a whole, truncation included.
 
-        With ``into`` (a view of exactly ``end - start + 1`` bytes) the body is read
-        straight into it and ``None`` is returned for the data: a large download
-        then costs one copy of its bytes, not a part copy plus a join. With
-        ``expect_total``, an object of another size raises :class:`BlobMismatch`.
+        With ``into`` (a view of exactly ``end - start + 1`` bytes, or a function
+        returning one, called only once the answer's size is checked) the body
+        is read straight into it and ``None`` is returned for the data: a large
+        download then costs one copy of its bytes, not a part copy plus a join.
+        With ``expect_total``, an object of another size (or a range past its
+        end, 416) raises :class:`BlobMismatch` if this request ``confirms`` the
+        size (the first answer of a download), else ``_ObjectChanged``: a later
+        answer disagreeing with an earlier one is not a consistent answer, so
+        the download restarts and its first answer decides.
         A chunked ``digest`` (``start`` on a chunk boundary) is fed each chunk as
         soon as it is read, while its bytes are in this core's cache (hashing
         them there is a third faster here than from memory); a retry reads and
         hashes the whole range again.
         """
 
-        def once() -> tuple[bytes, dict]:
+        def wrong_size(total: int | None) -> Exception:
+            """``total``: the size the answer gave, None for a 416 (the object ends before ``start``)."""
+            if not confirms:
+                return _ObjectChanged()
+            if total is None:
+                return BlobMismatch(
+                    f"blob {key!r} ({self.join(key)}) is shorter than the {expect_total} bytes its manifest records"
+                )
+            return BlobMismatch(
+                f"blob {key!r} ({self.join(key)}) has {total} bytes but its manifest records {expect_total}"
+            )
+
+        def once() -> tuple[bytes | None, dict]:
             args: dict[str, Any] = {"Bucket": self.bucket, "Key": s3key, "Range": f"bytes={start}-{end}"}
             if etag is not None:
                 args["IfMatch"] = etag
@@ -598,24 +672,25 @@ class S3Store(ObjectStore):
             except Exception as exc:
                 if etag is not None and _status(exc) == 412:
                     raise _ObjectChanged() from exc
+                if expect_total is not None and _status(exc) == 416:  # a range past the object's end
+                    raise wrong_size(None) from exc
                 raise
             body = resp["Body"]
             declared = resp.get("ContentLength")
             try:
-                if expect_total is not None and _total_size(resp, -1) != expect_total:
-                    raise BlobMismatch(
-                        f"blob {key!r} ({self.join(key)}) has {_total_size(resp, -1)} bytes "
-                        f"but its manifest records {expect_total}"
-                    )
+                total = _total_size(resp, declared if declared is not None else -1)
+                if expect_total is not None and total != expect_total:
+                    raise wrong_size(total)
                 if into is not None:
-                    if declared is not None and declared != len(into):
-                        raise StoreError(
+                    target = into() if callable(into) else into
+                    if declared is not None and declared != len(target):
+                        raise StoreUnavailable(
                             f"S3 get of {self.join(key)} returned {declared} bytes for range {start}-{end}; "
                             "the server does not honour ranged GETs correctly"
                         )
-                    got = _read_into(body, into, digest, start)
-                    if got != len(into):
-                        raise _TruncatedBody(f"got {got} of {len(into)} bytes")
+                    got = _read_into(body, target, digest, start)
+                    if got != len(target):
+                        raise _TruncatedBody(f"got {got} of {len(target)} bytes")
                     return None, resp
                 # StreamingBody.read() checks Content-Length and raises
                 # IncompleteReadError on a short body; check the range too.
@@ -642,13 +717,14 @@ class S3Store(ObjectStore):
                 first, resp = self._get_whole(key, s3key)
             else:
                 raise
+        assert first is not None
         total = _total_size(resp, len(first))
         if expect_size is not None and total != expect_size:
             raise BlobMismatch(
                 f"blob {key!r} ({self.join(key)}) has {total} bytes but its manifest records {expect_size}"
             )
         if len(first) != min(total, chunk):
-            raise StoreError(
+            raise StoreUnavailable(
                 f"S3 get of {self.join(key)} returned {len(first)} bytes for the first {min(total, chunk)}; "
                 "the server does not honour ranged GETs correctly"
             )
@@ -657,67 +733,88 @@ class S3Store(ObjectStore):
                 digest.update(0, first)
             return first
         # Only a plain get() (no digest) gets here: a verified one knows the size.
-        # One buffer for the whole object, each ranged GET reading into its slice.
-        view = _buffer(total)
-        view[: len(first)] = first
+        # One buffer for the whole object (its size the server's own answer),
+        # each ranged GET reading into its slice.
+        buffer = _Buffer(total)
+        buffer.slice(0, len(first))[:] = first
         del first
-        ranges = [(off, min(off + chunk, total) - 1) for off in range(chunk, total, chunk)]
-        self._get_ranges(key, s3key, view, ranges, 2, resp.get("ETag"), None, None)
-        return view
+        ranges = ((off, min(off + chunk, total) - 1) for off in range(chunk, total, chunk))
+        self._get_ranges(key, s3key, buffer, ranges, 2, resp.get("ETag"), None, None)
+        return buffer.view
 
     def _download_known_size(self, key: str, s3key: str, size: int, digest: BlobDigest | None) -> memoryview:
-        """Every ranged GET at once, the manifest giving the size: no first request
-        alone to learn it. The answers must agree with the manifest on the size,
-        and with each other on the ETag (else the object changed mid-download).
-        The ranges hold whole chunks of a chunked digest, so each can be hashed alone."""
+        """Ranged GETs of a blob whose manifest gives its size: no request alone to learn it.
+
+        The size is a manifest's claim, so nothing is allocated until the first
+        answer's Content-Range total has matched it (the other ranges wait for
+        its headers only, not its body). The answers must agree with each other
+        on the ETag (else the object changed mid-download). The ranges hold
+        whole chunks of a chunked digest, so each can be hashed alone.
+        """
         step = digest.piece_size(self.download_part_size) if digest is not None else self.download_part_size
-        view = _buffer(size)
-        ranges = [(off, min(off + step, size) - 1) for off in range(0, size, step)]
-        if len(self._get_ranges(key, s3key, view, ranges, 1, None, size, digest)) > 1:
+        buffer = _Buffer(size)
+        ranges = ((off, min(off + step, size) - 1) for off in range(0, size, step))
+        if len(self._get_ranges(key, s3key, buffer, ranges, 1, None, size, digest)) > 1:
             raise _ObjectChanged()
-        return view
+        return buffer.view
 
     def _get_ranges(
         self,
         key: str,
         s3key: str,
-        view: memoryview,
-        ranges: list[tuple[int, int]],
+        buffer: _Buffer,
+        ranges: Iterator[tuple[int, int]],
         first_number: int,
         etag: str | None,
         expect_total: int | None,
         digest: BlobDigest | None,
     ) -> set[str | None]:
-        """GET ``ranges`` in parallel into their slices of ``view``, feeding ``digest``
+        """GET ``ranges`` in parallel into their slices of ``buffer``, feeding ``digest``
         (a chunked one as each worker reads, a plain one here in order as the
         ranges complete, later ones downloading meanwhile). Returns the ETags the
-        answers carried."""
+        answers carried.
+
+        The first range goes alone until its answer has confirmed the size and
+        the buffer exists; then at most ``2 * max_concurrency`` ranges are in
+        flight (queued or running): enough to keep every worker busy while the
+        oldest completes, and a bounded cost however many ranges there are.
+        """
         in_worker = digest is not None and digest.any_order
         pool = self._executor()
-        futures = [
-            pool.submit(self._get_range, key, s3key, a, b, etag, "get" if n == 1 else f"get part {n}",
-                        view[a : b + 1], expect_total, digest if in_worker else None)
-            for n, (a, b) in enumerate(ranges, start=first_number)
-        ]
+        numbered = enumerate(ranges, start=first_number)
+        pending: collections.deque[tuple[int, int, concurrent.futures.Future]] = collections.deque()
+
+        def submit() -> bool:
+            item = next(numbered, None)
+            if item is None:
+                return False
+            n, (a, b) = item
+            fut = pool.submit(
+                self._get_range, key, s3key, a, b, etag, "get" if n == 1 else f"get part {n}",
+                functools.partial(buffer.slice, a, b + 1), expect_total, digest if in_worker else None,
+                n == first_number,
+            )
+            pending.append((a, b, fut))
+            return True
+
         etags = set()
         try:
-            for (a, b), fut in zip(ranges, futures):
-                try:
-                    _, resp = fut.result()
-                except Exception as exc:
-                    if expect_total is not None and _status(exc) == 416:  # a range past the end
-                        raise BlobMismatch(
-                            f"blob {key!r} ({self.join(key)}) is shorter than the {expect_total} bytes "
-                            "its manifest records"
-                        ) from exc
-                    raise
+            submit()
+            buffer.wait_allocated(pending[0][2])
+            while len(pending) < 2 * self.max_concurrency and submit():
+                pass
+            while pending:
+                a, b, fut = pending[0]
+                _, resp = fut.result()
+                pending.popleft()
                 etags.add(resp.get("ETag"))
                 if digest is not None and not in_worker:
-                    digest.update(a, view[a : b + 1])
+                    digest.update(a, buffer.view[a : b + 1])
+                submit()
         except BaseException:
-            for f in futures:
+            for *_, f in pending:
                 f.cancel()
-            concurrent.futures.wait(futures)
+            concurrent.futures.wait([f for *_, f in pending])
             raise
         return etags
 
@@ -817,6 +914,41 @@ def _read_into(body: Any, into: memoryview, digest: BlobDigest | None = None, of
     if direct and fp.isclosed():
         raw.release_conn()  # urllib3 does this when it reads the end itself
     return got
+
+
+class _Buffer:
+    """A download's buffer, allocated by the first request that needs it.
+
+    When ``size`` is a manifest's claim, the first range's worker asks for its
+    slice only after the answer's Content-Range total has matched that size:
+    a corrupt manifest (10**15 bytes) costs a BlobMismatch, not an allocation.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._view: memoryview | None = None
+        self._lock = threading.Lock()
+        self._allocated = threading.Event()
+
+    @property
+    def view(self) -> memoryview:
+        assert self._view is not None, "the buffer is allocated by the first slice taken"
+        return self._view
+
+    def slice(self, start: int, stop: int) -> memoryview:
+        with self._lock:
+            if self._view is None:
+                self._view = _buffer(self.size)
+                self._allocated.set()
+        return self._view[start:stop]
+
+    def wait_allocated(self, first: concurrent.futures.Future) -> None:
+        """Wait until the buffer exists, or ``first`` (the request that allocates it) failed: raise its error."""
+        first.add_done_callback(lambda _f: self._allocated.set())
+        self._allocated.wait()
+        if self._view is None:
+            first.result()  # raises what stopped it
+            raise AssertionError("the first range completed without allocating the buffer")
 
 
 def _buffer(size: int) -> memoryview:

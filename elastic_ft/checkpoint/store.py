@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import os
+import stat
 import tempfile
 import urllib.parse
 
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.segments import Data, as_segments
+from elastic_ft.filemode import default_file_mode
 
 
 class StoreError(Exception):
@@ -65,8 +68,14 @@ class ObjectStore(abc.ABC):
     - ``list`` returns objects whose key starts with ``prefix`` (a plain string
       prefix, not a directory), sorted by key; an empty list if none.
     - ``delete`` of a missing key is not an error (deletes are retried).
+    - ``get_verified`` checks the declared size against the object's real size
+      before allocating anything of that size, and raises :class:`BlobMismatch`
+      only for an answer the store gave consistently (a wrong size or digest).
     Transient faults are retried inside the implementation; what escapes is a
-    :class:`StoreError` whose message names the key.
+    :class:`StoreError` whose message names the key. Whenever the store could
+    not answer (retries ran out, access denied, credentials expired, a disk
+    error, an error nobody classified) it is :class:`StoreUnavailable`, so that
+    callers never take "could not read" for "corrupt" or "missing".
     """
 
     #: The URI this store is rooted at, as given by the user (for messages).
@@ -133,7 +142,13 @@ class LocalStore(ObjectStore):
     Atomic put is write-temp + fsync + rename (+ fsync of the directory, so the
     rename itself survives a power cut). ``if_absent`` uses ``os.link`` of the
     temp file, which fails if the target exists: the same create-if-absent that
-    S3's ``If-None-Match: *`` gives, without a check-then-rename race.
+    S3's ``If-None-Match: *`` gives, without a check-then-rename race. Objects
+    get the mode the umask implies (``mkstemp`` alone would leave them 0600).
+
+    Errors: a missing file is :class:`ObjectNotFound`; any other ``OSError``
+    (EIO, EACCES, ENOSPC, a directory where an object's file should be, a file
+    where a directory should be) is :class:`StoreUnavailable`: the disk could not
+    answer, which says nothing about the checkpoint.
     """
 
     def __init__(self, root: str, *, uri: str | None = None) -> None:
@@ -146,13 +161,25 @@ class LocalStore(ObjectStore):
             raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
         return os.path.join(self.root, *parts)
 
+    def _unavailable(self, what: str, key: str, exc: OSError) -> StoreUnavailable:
+        """The domain error for an ``OSError`` other than a missing file: names the object, the cause, what to do."""
+        name = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        return StoreUnavailable(
+            f"{what} of {self.join(key)} failed: {exc.strerror or exc} ({name}); "
+            "check the filesystem (permissions, free space, disk health) and retry"
+        )
+
     def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         path = self._path(key)
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+        except OSError as exc:
+            raise self._unavailable("put", key, exc) from exc
         try:
             with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), default_file_mode())  # as open() would: readable on a shared filesystem
                 for buf in as_segments(data).buffers:
                     f.write(buf)
                 f.flush()
@@ -165,33 +192,71 @@ class LocalStore(ObjectStore):
             else:
                 os.replace(tmp, path)
             _fsync_dir(directory)
+        except OSError as exc:
+            raise self._unavailable("put", key, exc) from exc
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
+        return self._read(key, size=None)
+
+    def get_verified(self, key: str, *, size: int, sha256: str, chunk_size: int = 0) -> bytes:
+        """As :meth:`ObjectStore.get_verified`, but the file's size is checked before
+        it is read: a manifest's size is never trusted to size anything."""
+        data = self._read(key, size=size)
+        check_blob(key, data, size=size, sha256=sha256, chunk_size=chunk_size)
+        return data
+
+    def _read(self, key: str, *, size: int | None) -> bytes:
+        """The file's bytes; with ``size``, :class:`BlobMismatch` first if the file has another size."""
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as f:
+            with open(path, "rb") as f:
+                actual = os.fstat(f.fileno()).st_size
+                if size is not None and actual != size:
+                    raise BlobMismatch(f"blob {key!r} has {actual} bytes but its manifest records {size}")
                 return f.read()
         except FileNotFoundError as exc:
             raise ObjectNotFound(f"{self.join(key)} does not exist") from exc
+        except OSError as exc:
+            raise self._unavailable("get", key, exc) from exc
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """As :meth:`ObjectStore.list`; a root that does not exist yet lists empty.
+
+        An unreadable directory raises :class:`StoreUnavailable` rather than
+        being skipped: a listing that silently misses files would prove blobs
+        missing that are there.
+        """
+        try:
+            if not stat.S_ISDIR(os.stat(self.root).st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._unavailable("list", f"{prefix}*", exc) from exc
+
+        def walk_error(exc: OSError) -> None:
+            if not isinstance(exc, FileNotFoundError):  # a directory gc removed while we walked
+                raise exc
+
         out: list[ObjectInfo] = []
-        if not os.path.isdir(self.root):
-            return out
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                if name.startswith(".tmp-"):
-                    continue  # an in-flight or crashed put; never a visible object
-                full = os.path.join(dirpath, name)
-                key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if key.startswith(prefix):
-                    try:
-                        st = os.stat(full)
-                    except FileNotFoundError:
-                        continue  # deleted while listing
-                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        try:
+            for dirpath, _dirs, files in os.walk(self.root, onerror=walk_error):
+                for name in files:
+                    if name.startswith(".tmp-"):
+                        continue  # an in-flight or crashed put; never a visible object
+                    full = os.path.join(dirpath, name)
+                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                    if key.startswith(prefix):
+                        try:
+                            st = os.stat(full)
+                        except FileNotFoundError:
+                            continue  # deleted while listing
+                        out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        except OSError as exc:
+            raise self._unavailable("list", f"{prefix}*", exc) from exc
         out.sort(key=lambda o: o.key)
         return out
 
@@ -201,6 +266,8 @@ class LocalStore(ObjectStore):
             os.unlink(path)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise self._unavailable("delete", key, exc) from exc
         # Prune now-empty blob directories so a gc'd run leaves no litter.
         parent = os.path.dirname(path)
         while parent != self.root and parent.startswith(self.root):
@@ -280,6 +347,7 @@ __all__ = [
     "ObjectNotFound",
     "ObjectStore",
     "StoreError",
+    "StoreUnavailable",
     "UnsupportedURI",
     "check_blob",
     "check_uri",

@@ -11,7 +11,9 @@ method M whose path matches regex R" get one fault:
   connection without replying (the server committed; the client cannot know);
 - ``truncate``: forward, then send the status, headers and only the first
   ``keep`` bytes of the body before closing (Content-Length promises more);
-- ``delay``: wait ``seconds`` before forwarding.
+- ``delay``: wait ``seconds`` before forwarding;
+- ``error``: answer HTTP ``status`` with S3 error ``code`` without forwarding
+  (default 403 AccessDenied, what S3 says to a key or policy that refuses).
 
 Every request is recorded (method, path, Range header, fault applied) so tests
 can assert what happened, e.g. that a download was made of ranged GETs.
@@ -28,12 +30,18 @@ import struct
 import threading
 import urllib.parse
 
-FAULTS = ("slowdown", "drop_before", "drop_after", "truncate", "delay")
+FAULTS = ("slowdown", "drop_before", "drop_after", "truncate", "delay", "error")
 
 _SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
     b"<RequestId>fault-proxy</RequestId></Error>"
+)
+
+_ERROR_BODY = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n'
+    "<Error><Code>{code}</Code><Message>Injected by the fault proxy.</Message>"
+    "<RequestId>fault-proxy</RequestId></Error>"
 )
 
 # Hop-by-hop headers are the proxy's own business, never forwarded.
@@ -50,6 +58,8 @@ class Rule:
     times: int = 1
     seconds: float = 0.0
     keep: int = 0
+    status: int = 403
+    code: str = "AccessDenied"
     hits: int = 0
 
     def matches(self, method: str, target: str) -> bool:
@@ -195,6 +205,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         fault = rule.fault if rule else None
         if fault == "slowdown":
             self._reply(503, [("Content-Type", "application/xml")], _SLOWDOWN_BODY)
+            return
+        if fault == "error":
+            body = _ERROR_BODY.format(code=rule.code).encode()
+            self._reply(rule.status, [("Content-Type", "application/xml")], body)
             return
         if fault == "drop_before":
             self._drop()

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from elastic_ft.checkpoint.digest import blob_sha256
-from elastic_ft.checkpoint.store import ObjectExists, StoreError
+from elastic_ft.checkpoint.store import ObjectExists, ObjectNotFound, StoreError, StoreUnavailable
 
 try:
     from .s3_servers import S3_BACKENDS, make_s3_store
@@ -186,3 +186,66 @@ class TestS3StoreFaults:
         proxy.add("drop_after", method="POST", path=r"blobs/4-c/model\?uploadId=")
         store.put("blobs/4-c/model", data)
         assert store.get("blobs/4-c/model") == data
+
+
+class TestStoreCouldNotAnswer:
+    """Faults that say nothing about the object are StoreUnavailable, never a plain
+    StoreError, BlobMismatch or ObjectNotFound: resume must not take "could not
+    read" for "corrupt" (and retire good checkpoints)."""
+
+    def test_slowdown_on_every_get_is_unavailable(self, proxied):
+        store, proxy, endpoint, *_ = proxied
+        data = os.urandom(3 * MiB + 5)  # ranged GETs of a known size
+        store.put("blobs/8-u/model", data)
+        store.put("blobs/8-u/small", b"tiny")
+        proxy.add("slowdown", method="GET", path="blobs/8-u/", times=1000)
+        with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/8-u/small failed after 4 attempts.*SlowDown"):
+            store.get("blobs/8-u/small")
+        with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/8-u/model failed after 4 attempts.*SlowDown"):
+            store.get_verified("blobs/8-u/model", size=len(data), sha256=blob_sha256(data, MiB), chunk_size=MiB)
+        proxy.add("slowdown", method="GET", path="list-type=2", times=1000)
+        with pytest.raises(StoreUnavailable, match=r"list of \S*blobs/\* failed after 4 attempts"):
+            store.list("blobs/")
+        # One ranged GET at a time until the size is known: no burst of doomed requests.
+        assert len(_requests(proxy, "GET", "blobs/8-u/model")) == 4
+
+    def test_connection_dropped_on_every_try_is_unavailable(self, proxied):
+        store, proxy, *_ = proxied
+        store.put("ckpt/gone", b"payload")
+        proxy.add("drop_before", method="GET", path="ckpt/gone", times=1000)
+        with pytest.raises(StoreUnavailable, match=r"get of \S*ckpt/gone failed after 4 attempts"):
+            store.get("ckpt/gone")
+
+    @pytest.mark.parametrize(
+        ("status", "code", "message"),
+        [
+            (403, "AccessDenied", r"was refused \(AccessDenied\); check the credentials and the bucket policy"),
+            (400, "ExpiredToken", r"was refused \(ExpiredToken\): the credentials have expired; refresh them"),
+            (400, "InvalidRequest", r"failed: InvalidRequest \(HTTP 400\); check the endpoint"),
+        ],
+        ids=["access-denied", "expired-credentials", "unknown-error"],
+    )
+    def test_refused_or_unknown_error_is_unavailable_at_once(self, proxied, caplog, status, code, message):
+        store, proxy, endpoint, *_ = proxied
+        data = os.urandom(2 * MiB)
+        store.put("blobs/8-d/model", data)
+        proxy.add("error", method="GET", path="blobs/8-d/model", times=1000, status=status, code=code)
+        proxy.add("error", method="GET", path="list-type=2", times=1000, status=status, code=code)
+        proxy.add("error", method="PUT", path="blobs/8-d/other", times=1000, status=status, code=code)
+        with caplog.at_level(logging.WARNING, logger="elastic_ft.checkpoint.s3"):
+            with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/8-d/model " + message):
+                store.get("blobs/8-d/model")
+            with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/8-d/model " + message):
+                store.get_verified("blobs/8-d/model", size=len(data), sha256=blob_sha256(data, MiB), chunk_size=MiB)
+            with pytest.raises(StoreUnavailable, match=r"list of \S*blobs/\* " + message):
+                store.list("blobs/")
+            with pytest.raises(StoreUnavailable, match=r"put of \S*blobs/8-d/other " + message) as info:
+                store.put("blobs/8-d/other", b"x")
+        assert caplog.records == []  # not transient: asked once each, no retries
+        assert endpoint.secret_key not in str(info.value) and endpoint.access_key not in str(info.value)
+
+    def test_not_found_stays_not_found(self, proxied):
+        store, proxy, *_ = proxied
+        with pytest.raises(ObjectNotFound, match="blobs/8-n/none"):
+            store.get_verified("blobs/8-n/none", size=3 * MiB, sha256="0" * 64, chunk_size=MiB)
+        assert len(_requests(proxy, "GET", "blobs/8-n/none")) == 1

@@ -15,7 +15,7 @@ from botocore.response import StreamingBody
 
 from elastic_ft.checkpoint.digest import BlobDigest, blob_sha256
 from elastic_ft.checkpoint.s3 import S3Store, _read_into, default_concurrency, parse_s3_uri
-from elastic_ft.checkpoint.store import StoreError, open_store
+from elastic_ft.checkpoint.store import StoreError, StoreUnavailable, open_store
 
 try:
     from .s3_servers import FAST_S3_OPTIONS, make_s3_store
@@ -114,8 +114,12 @@ def test_store_wrong_credentials_fail_at_once_without_leaking(s3_env, s3_servers
     store, _ = make_s3_store(endpoint)
     try:
         with caplog.at_level(logging.WARNING, logger="elastic_ft.checkpoint.s3"):
-            with pytest.raises(StoreError, match=r"put of \S*ckpt/x was refused \(SignatureDoesNotMatch\)") as info:
+            # Unavailable, not corrupt: a checkpoint is never judged by a store that refused to answer.
+            refused = r"put of \S*ckpt/x was refused \(SignatureDoesNotMatch\)"
+            with pytest.raises(StoreUnavailable, match=refused) as info:
                 store.put("ckpt/x", b"x")
+            with pytest.raises(StoreUnavailable, match=r"get of \S*ckpt/y was refused \(SignatureDoesNotMatch\)"):
+                store.get_verified("ckpt/y", size=3 * MiB, sha256="0" * 64, chunk_size=MiB)
     finally:
         store.close()
     assert "not-the-secret-1234" not in str(info.value)
@@ -180,6 +184,39 @@ def test_store_ranged_downloads_reuse_pooled_connections(s3_env, s3_servers, cap
                 assert store.get("blobs/7-c/model") == data
         opened = [r for r in caplog.records if "Starting new HTTP" in r.getMessage()]
         assert len(opened) <= store.max_concurrency, [r.getMessage() for r in opened]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("verified", [False, True], ids=["get", "get_verified"])
+def test_store_ranged_download_keeps_a_bounded_window_of_requests(s3_env, s3_servers, monkeypatch, verified):
+    # However many ranges a download has, at most 2 * max_concurrency are
+    # submitted and unfinished at once (the old store submitted them all).
+    endpoint = s3_servers.get("moto")
+    s3_env(endpoint)
+    store, _ = make_s3_store(endpoint, max_concurrency=2)  # 1 MiB ranges: 13 of them
+    try:
+        data = os.urandom(12 * MiB + 7)
+        store.put("blobs/7-w/model", data)
+        pool = store._executor()
+        submitted: list = []
+        most = 0
+        real_submit = pool.submit
+
+        def spy(*args, **kwargs):
+            nonlocal most
+            fut = real_submit(*args, **kwargs)
+            submitted.append(fut)
+            most = max(most, sum(not f.done() for f in submitted))
+            return fut
+
+        monkeypatch.setattr(pool, "submit", spy)
+        if verified:
+            got = store.get_verified("blobs/7-w/model", size=len(data), sha256=blob_sha256(data, MiB), chunk_size=MiB)
+        else:
+            got = store.get("blobs/7-w/model")
+        assert got == data
+        assert len(submitted) == (13 if verified else 12) and most <= 4, (len(submitted), most)
     finally:
         store.close()
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
+import time
 
 import pytest
 
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.segments import Segments
-from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, StoreError
+from elastic_ft.checkpoint.store import BlobMismatch, ObjectExists, ObjectNotFound, StoreError, StoreUnavailable
 
 MiB = 1 << 20
 
@@ -168,3 +170,77 @@ def test_store_get_verified_mismatch_names_key(backend, size, chunk):
         with pytest.raises(BlobMismatch, match=r"blobs/3-z/opt\.safetensors.*bytes"):
             store.get_verified("blobs/3-z/opt.safetensors", size=claimed, sha256=good, chunk_size=chunk)
     assert store.get_verified("blobs/3-z/opt.safetensors", size=size, sha256=good, chunk_size=chunk) == data
+
+
+@pytest.mark.parametrize("size", [10, 3 * MiB + 1])
+@pytest.mark.parametrize("chunk", [0, MiB, 10**15], ids=["plain", "chunked", "huge-chunk"])
+def test_store_get_verified_checks_a_claimed_size_before_allocating_it(backend, size, chunk):
+    # A corrupt manifest claiming a petabyte: the store compares the claim with
+    # the object's real size before allocating a buffer or a digest of that size,
+    # and says which blob and both sizes (the old S3 store tried to map 10**15 bytes).
+    data = os.urandom(size)
+    backend.store.put("blobs/3-h/model.safetensors", data)
+    started = time.monotonic()
+    for claimed in (10**15, 2**62):
+        with pytest.raises(BlobMismatch, match=rf"blobs/3-h/model\.safetensors.* has {size} bytes .*records {claimed}"):
+            backend.store.get_verified("blobs/3-h/model.safetensors", size=claimed, sha256="0" * 64, chunk_size=chunk)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_store_objects_get_the_mode_the_umask_implies(tmp_path, umask):
+    # Objects are written to a temporary file (mode 0600) and renamed into place;
+    # on a shared filesystem they must be as readable as any file the user creates.
+    from elastic_ft.checkpoint.store import LocalStore
+
+    store = LocalStore(str(tmp_path / "store"))
+    old = os.umask(umask)
+    try:
+        store.put("blobs/1-m/model.safetensors", b"weights")
+        store.put("manifest-1.json", b"{}", if_absent=True)
+    finally:
+        os.umask(old)
+    for key in ("blobs/1-m/model.safetensors", "manifest-1.json"):
+        mode = stat.S_IMODE(os.stat(tmp_path / "store" / key).st_mode)
+        assert mode == 0o666 & ~umask, (key, oct(mode))
+
+
+class TestLocalStoreCouldNotAnswer:
+    """Filesystem errors other than a missing file are StoreUnavailable (the disk
+    could not answer), never a raw OSError or a silent empty answer."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        from elastic_ft.checkpoint.store import LocalStore
+
+        return LocalStore(str(tmp_path / "store"))
+
+    def test_directory_where_a_blob_should_be(self, store):
+        os.makedirs(os.path.join(store.root, "blobs", "1-d", "model.safetensors"))
+        with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/1-d/model\.safetensors failed: Is a directory"):
+            store.get("blobs/1-d/model.safetensors")
+        with pytest.raises(StoreUnavailable, match=r"blobs/1-d/model\.safetensors.*EISDIR"):
+            store.get_verified("blobs/1-d/model.safetensors", size=7, sha256="0" * 64)
+
+    def test_file_where_a_directory_should_be(self, store):
+        store.put("blobs/1-f", b"a file, not the blob directory")
+        with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/1-f/model\.safetensors failed: Not a directory"):
+            store.get("blobs/1-f/model.safetensors")
+        with pytest.raises(StoreUnavailable, match=r"put of \S*blobs/1-f/model\.safetensors failed"):
+            store.put("blobs/1-f/model.safetensors", b"x")
+
+    def test_unreadable_object(self, store):
+        # A symlink loop stands in for EIO/EACCES (tests may run as root, which
+        # permissions do not stop): an OSError that is not "no such file".
+        os.makedirs(os.path.join(store.root, "blobs", "1-l"))
+        os.symlink("model.safetensors", os.path.join(store.root, "blobs", "1-l", "model.safetensors"))
+        with pytest.raises(StoreUnavailable, match=r"get of \S*blobs/1-l/model\.safetensors failed: .*ELOOP"):
+            store.get("blobs/1-l/model.safetensors")
+        with pytest.raises(StoreUnavailable, match=r"list of \S*blobs/\* failed: .*ELOOP"):
+            store.list("blobs/")
+
+    def test_root_that_is_not_a_directory_is_not_an_empty_store(self, store):
+        with open(store.root, "wb") as f:
+            f.write(b"not a checkpoint directory")
+        with pytest.raises(StoreUnavailable, match=r"list of \S*store/\* failed: Not a directory"):
+            store.list()

@@ -4,11 +4,13 @@ then the CLI's ckpt ls/verify and export, and the exported adapter loaded with p
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
 
 from elastic_ft.events import read_events
+from elastic_ft.filemode import default_file_mode
 from tests.conftest import BIN, REPO, cli, explain, run
 
 pytestmark = pytest.mark.slow
@@ -61,6 +63,9 @@ def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
     proc = cli("export", f"file://{root}/tiny-lora", "--out", str(out))
     assert proc.returncode == 0, explain(proc)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    # Readable as any file the user writes (safetensors alone would leave the weights 0600).
+    for written in ("adapter_model.safetensors", "adapter_config.json", "base/model.safetensors"):
+        assert stat.S_IMODE(os.stat(out / written).st_mode) == default_file_mode(), written
     base = AutoModelForCausalLM.from_pretrained(str(out / "base"))
     tokenizer = AutoTokenizer.from_pretrained(str(out / "base"))
     model = PeftModel.from_pretrained(base, str(out))
