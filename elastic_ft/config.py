@@ -187,7 +187,7 @@ MAX_BATCH = 2**24
 # loop or overflow without limit (a billion-sample batch, epochs=1e308).
 # Null (where a field allows it) is always accepted. A new numeric field gets a row.
 LIMITS: dict[str, Bound] = {
-    "data.max_length": Bound(2, 2**20),
+    "data.max_length": Bound(2, 2**17),  # 131072 tokens: the longest contexts models train on
     "lora.r": Bound(1, 2**16),
     "lora.alpha": Bound(1, 2**20),
     "lora.dropout": Bound(0.0, 1.0, hi_open=True),
@@ -238,8 +238,10 @@ def spec_from_dict(
 ) -> JobSpec:
     """Build and validate a spec from plain data; relative paths resolve against ``base_dir``.
 
-    ``check_files=False`` skips the data-file existence check (a spec read back
-    from a checkpoint on another machine, for export).
+    ``check_files=False`` is for a spec read back from a checkpoint (export, on
+    another machine): it skips the data-file existence check and the check of
+    ``name`` as a run id (the run already has its id; older versions allowed
+    any name without '/').
     """
     problems: list[tuple[str, str]] = []
     raw = apply_overrides(raw, overrides, problems)
@@ -278,7 +280,8 @@ def apply_overrides(raw: dict, overrides, problems: list[tuple[str, str]]) -> di
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep or not key:
-            problems.append((item if len(item) <= 80 else f"{item[:60]}...", "override must look like field.path=value, e.g. optimizer.lr=3e-4"))
+            shown = item if len(item) <= 80 else f"{item[:60]}..."
+            problems.append((shown, "override must look like field.path=value, e.g. optimizer.lr=3e-4"))
             continue
         try:
             value = load_yaml(text)
@@ -347,7 +350,7 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
              f"must be a multiple of batch.reference_world ({b.reference_world}) for scale_with_world, "
              f"got {b.global_batch}")
     need((spec.steps is None) != (spec.epochs is None), "steps", "set exactly one of steps and epochs")
-    problem = name_problem(spec.name)
+    problem = name_problem(spec.name) if check_files else None
     need(problem is None, "name", f"{problem} (it is the default run id)")
     need(_only_run_id_placeholder(spec.logging.dir), "logging.dir",
          f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")

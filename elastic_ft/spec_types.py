@@ -38,6 +38,8 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
 
 
 class _Converter:
+    """One conversion: the problems found so far, and the ranges that word a huge number's error."""
+
     def __init__(self, problems: list[tuple[str, str]], limits: dict[str, Bound]) -> None:
         self.problems, self.limits = problems, limits
 
@@ -100,7 +102,8 @@ class _Converter:
             return False, None
         if tp in (int, float) and isinstance(value, HugeNumber):
             bound = self.limits.get(re.sub(r"\[\d+\]$", "", path))
-            self.problems.append((path, f"must be in {bound}, got {value!r}" if bound else f"is out of range: got {value!r}"))
+            message = f"must be in {bound}, got {value!r}" if bound else f"is out of range: got {value!r}"
+            self.problems.append((path, message))
             return False, None
         if tp is bool:
             if isinstance(value, bool):

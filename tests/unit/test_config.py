@@ -366,6 +366,13 @@ def test_job_name_must_be_a_safe_run_id(name):
     assert "(it is the default run id)" in problems_of(raw)["name"]
 
 
+def test_stored_spec_of_an_older_run_keeps_its_name():
+    # A checkpoint's spec (export reads it with check_files=False) was written when any name without '/' was allowed.
+    raw = raw_spec()
+    raw["name"] = "my old job"
+    assert spec_from_dict(raw, base_dir=os.path.dirname(SPEC), check_files=False).name == "my old job"
+
+
 def test_logging_dir_may_only_use_the_run_id_placeholder():
     assert load(raw_spec(), ["logging.dir=logs/{run_id}/x"]).logging.dir == "logs/{run_id}/x"
     for bad in ("logs/{run}", "logs/{0}", "logs/{"):
