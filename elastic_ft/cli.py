@@ -140,6 +140,23 @@ def _export(args) -> int:
     return 0
 
 
+def _in_range(field: str, kind: type):
+    """An argparse type: ``kind`` within the spec's range for ``field`` (config.LIMITS).
+
+    argparse prints the message after the flag's name: ``argument --keep-last: must be in [1, 1000000], got '-5'``.
+    """
+    from elastic_ft.bounds import parse_number
+    from elastic_ft.config import LIMITS
+
+    def parse(text: str):
+        try:
+            return parse_number(text, kind, LIMITS[field])
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-ft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -157,9 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = ck.add_parser("gc", help="delete checkpoints past retention and orphan blobs")
     g.add_argument("uri")
     g.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
-    g.add_argument("--keep-last", type=int, default=3)
-    g.add_argument("--keep-every", type=int, default=None)
-    g.add_argument("--grace", type=float, default=3600.0, help="seconds before an orphan blob may be deleted")
+    # The same ranges as the spec's checkpoint section: --keep-last -5 used to delete all but the newest.
+    g.add_argument("--keep-last", type=_in_range("checkpoint.keep_last", int), default=3,
+                   help="newest committed checkpoints to keep (at least 1)")
+    g.add_argument("--keep-every", type=_in_range("checkpoint.keep_every", int), default=None,
+                   help="also keep checkpoints whose step is a multiple of this")
+    g.add_argument("--grace", type=_in_range("checkpoint.orphan_grace_s", float), default=3600.0,
+                   help="seconds before an orphan blob may be deleted (a save in flight has young orphans)")
     g.set_defaults(func=_gc)
     e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
     e.add_argument("uri")

@@ -17,6 +17,8 @@ import torchx.specs as specs
 from torchx.specs import macros
 from torchx.specs.finder import ComponentValidationException
 
+from elastic_ft.names import check_name
+
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 
 
@@ -89,7 +91,7 @@ def train(
         nnodes: number of nodes, N or MIN:MAX (elastic: the job goes on while at least MIN remain)
         nproc_per_node: training processes per node (one per GPU; on CPU, a few)
         spec: job spec YAML (model, data, LoRA, optimizer, batch, steps, checkpoint)
-        run_id: stable id of the job across restarts and resubmissions; checkpoints live under checkpoint_uri/run_id (default: the spec's name)
+        run_id: stable id of the job across restarts and resubmissions (letters, digits, '.', '_', '-'; at most 128 characters); checkpoints live under checkpoint_uri/run_id (default: the spec's name)
         checkpoint_uri: where runs' checkpoints live: file://./runs, file:///abs/dir or s3://bucket/prefix
         rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
         rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
@@ -105,6 +107,9 @@ def train(
         log_dir: directory of events.jsonl (default: the spec's logging.dir, runs/RUN_ID/logs)
     """
     lo, hi = parse_nnodes(nnodes)
+    if run_id is not None:
+        # One path component under checkpoint_uri, in torchx's log path and etcd's keys: '../x' escaped all three.
+        check_name(run_id, "--run_id")
     if nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
     if max_restarts < 0:

@@ -10,16 +10,17 @@ to the raw mapping before validation so they are checked the same way.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
-import re
-import types
-import typing
-from typing import Any, Literal, Union
+from typing import Literal
 
 import yaml
+
+from elastic_ft.bounds import Bound, out_of_range, show_value as _show
+from elastic_ft.names import name_problem
+from elastic_ft.spec_types import build_dataclass
+from elastic_ft.spec_yaml import YamlInputError, load_yaml, read_yaml_file
 
 
 class ConfigError(ValueError):
@@ -174,18 +175,58 @@ class JobSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# --------------------------------------------------------------------------- limits
+
+MAX_STEPS = 10**9
+"""Steps of a run (and step counts like warm-up and cadence); manifest keys hold 12 digits."""
+MAX_BATCH = 2**24
+"""Samples in one step; the trainer also refuses more than the dataset holds."""
+
+
+# Every numeric field of the spec, so no input can make the trainer allocate,
+# loop or overflow without limit (a billion-sample batch, epochs=1e308).
+# Null (where a field allows it) is always accepted. A new numeric field gets a row.
+LIMITS: dict[str, Bound] = {
+    "data.max_length": Bound(2, 2**17),  # 131072 tokens: the longest contexts models train on
+    "lora.r": Bound(1, 2**16),
+    "lora.alpha": Bound(1, 2**20),
+    "lora.dropout": Bound(0.0, 1.0, hi_open=True),
+    "optimizer.lr": Bound(0.0, 10.0, lo_open=True),
+    "optimizer.weight_decay": Bound(0.0, 100.0),
+    "optimizer.betas": Bound(0.0, 1.0, hi_open=True),
+    "optimizer.eps": Bound(0.0, 1.0, lo_open=True),
+    "optimizer.warmup_steps": Bound(0, MAX_STEPS),
+    "optimizer.min_lr_ratio": Bound(0.0, 1.0),
+    "optimizer.grad_clip": Bound(0.0, 1e6, lo_open=True),
+    "batch.global_batch": Bound(1, MAX_BATCH),
+    "batch.micro_batch": Bound(1, MAX_BATCH),
+    "batch.reference_world": Bound(1, 2**16),
+    "steps": Bound(1, MAX_STEPS),
+    "epochs": Bound(0.0, 1e6, lo_open=True),
+    "seed": Bound(0, 2**32 - 1),  # numpy's SeedSequence refuses negatives; torch seeds need headroom
+    "checkpoint.every_steps": Bound(1, MAX_STEPS),
+    "checkpoint.every_seconds": Bound(0.0, 1e8, lo_open=True),
+    "checkpoint.keep_last": Bound(1, 10**6),
+    "checkpoint.keep_every": Bound(1, MAX_STEPS),
+    "checkpoint.orphan_grace_s": Bound(0.0, 1e8),
+    "logging.every_steps": Bound(1, MAX_STEPS),
+}
+
+
 # --------------------------------------------------------------------------- parsing
 
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read a YAML job spec, apply ``key.path=value`` overrides, validate, resolve data paths."""
+    """Read a YAML job spec, apply ``key.path=value`` overrides, validate, resolve data paths.
+
+    Every problem with the file itself (missing, a directory, unreadable, not
+    UTF-8, too large, bad YAML, aliases expanding too far) is a
+    :class:`ConfigError` naming the file.
+    """
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except FileNotFoundError as exc:
-        raise ConfigError([("spec", f"file {path!r} does not exist")], source=path) from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError([("spec", f"is not valid YAML: {exc}")], source=path) from exc
+        raw = read_yaml_file(path) or {}
+    except YamlInputError as exc:
+        raise ConfigError([("spec", str(exc))], source=path) from exc
     if not isinstance(raw, dict):
         raise ConfigError([("spec", f"must be a mapping, got {type(raw).__name__}")], source=path)
     return spec_from_dict(raw, overrides=overrides, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
@@ -197,16 +238,21 @@ def spec_from_dict(
 ) -> JobSpec:
     """Build and validate a spec from plain data; relative paths resolve against ``base_dir``.
 
-    ``check_files=False`` skips the data-file existence check (a spec read back
-    from a checkpoint on another machine, for export).
+    ``check_files=False`` is for a spec read back from a checkpoint (export, on
+    another machine): it skips the data-file existence check and the check of
+    ``name`` as a run id (the run already has its id; older versions allowed
+    any name without '/').
     """
     problems: list[tuple[str, str]] = []
     raw = apply_overrides(raw, overrides, problems)
-    spec = _build(JobSpec, raw, "", problems)
+    spec = build_dataclass(JobSpec, raw, problems, limits=LIMITS)
     if spec is not None:
         if base_dir is not None:
             _resolve_paths(spec, base_dir)
-        problems.extend(validate(spec, check_files=check_files))
+        # A field that failed to convert holds its default now: checking that default
+        # would add a confusing second problem on the same field.
+        reported = {field for field, _ in problems}
+        problems.extend(q for q in validate(spec, check_files=check_files) if q[0] not in reported)
     if problems:
         raise ConfigError(problems, source=source)
     assert isinstance(spec, JobSpec)
@@ -224,18 +270,26 @@ def _resolve_paths(spec: JobSpec, base: str) -> None:
 
 
 def apply_overrides(raw: dict, overrides, problems: list[tuple[str, str]]) -> dict:
-    """Return a copy of ``raw`` with each ``a.b.c=value`` set (value parsed as YAML)."""
-    out = json.loads(json.dumps(raw))  # deep copy of plain YAML data
+    """Return a copy of ``raw`` with each ``a.b.c=value`` set (value parsed as YAML).
+
+    A value that is not valid YAML is taken as the plain string; one refused
+    by the YAML bounds (aliases expanding too far) is a problem on its key.
+    """
+    out = _copy_plain(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep or not key:
-            problems.append((item, "override must look like field.path=value, e.g. optimizer.lr=3e-4"))
+            shown = item if len(item) <= 80 else f"{item[:60]}..."
+            problems.append((shown, "override must look like field.path=value, e.g. optimizer.lr=3e-4"))
             continue
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
         except yaml.YAMLError:
             value = text
+        except YamlInputError as exc:
+            problems.append((key, f"override value is refused: it {exc}"))
+            continue
         node = out
         parts = key.split(".")
         for p in parts[:-1]:
@@ -246,92 +300,27 @@ def apply_overrides(raw: dict, overrides, problems: list[tuple[str, str]]) -> di
                 break
             node = node[p]
         else:
-            node[parts[-1]] = value
+            node[parts[-1]] = _copy_plain(value)
     return out
 
 
-def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+def _copy_plain(value):
+    """A deep copy of plain YAML data, aliases written out (setting one field changes one place).
+
+    Keys become strings the way JSON writes them (``1`` -> ``"1"``, ``true`` -> ``"true"``), so
+    free-form mappings such as model.config hash and serialise like the JSON they are saved as.
+    """
+    if isinstance(value, dict):
+        return {_key(k): _copy_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_plain(v) for v in value]
+    return value
 
 
-def _build(cls, raw: Any, path: str, problems: list[tuple[str, str]]):
-    if not isinstance(raw, dict):
-        problems.append((path or "spec", f"must be a mapping, got {raw!r}"))
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = _fields(cls)
-    kwargs = {}
-    for key, value in raw.items():
-        fpath = f"{path}.{key}" if path else str(key)
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(fields)}"
-            problems.append((fpath, f"unknown key{hint}"))
-            continue
-        ok, converted = _convert(hints[key], value, fpath, problems)
-        if ok:
-            kwargs[key] = converted
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - all fields have defaults
-        problems.append((path or "spec", str(exc)))
-        return None
-
-
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _convert(tp, value, path: str, problems) -> tuple[bool, Any]:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return True, None
-        if len(args) == 1:
-            return _convert(args[0], value, path, problems)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value in allowed:
-            return True, value
-        problems.append((path, f"{value!r} is not one of {', '.join(map(repr, allowed))}"))
-        return False, None
-    if dataclasses.is_dataclass(tp):
-        built = _build(tp, value, path, problems)
-        return built is not None, built
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            problems.append((path, f"must be a list, got {value!r}"))
-            return False, None
-        items = []
-        for i, v in enumerate(value):
-            ok, c = _convert(item_tp, v, f"{path}[{i}]", problems)
-            if not ok:
-                return False, None
-            items.append(c)
-        return True, items
-    if tp is dict:
-        if isinstance(value, dict):
-            return True, value
-        problems.append((path, f"must be a mapping, got {value!r}"))
-        return False, None
-    if tp is bool:
-        if isinstance(value, bool):
-            return True, value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return True, value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        # PyYAML follows YAML 1.1, which reads 1e-4 (no dot) as a string; accept it as a number.
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return True, float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return True, value
-    problems.append((path, f"must be {getattr(tp, '__name__', tp)}, got {value!r}"))
-    return False, None
+def _key(k) -> str:
+    if isinstance(k, str):
+        return k
+    return json.dumps(k) if k is None or isinstance(k, (bool, int, float)) else str(k)
 
 
 # --------------------------------------------------------------------------- validation
@@ -353,39 +342,28 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(bool(d.files) != bool(d.dataset), "data", "set exactly one of data.files and data.dataset")
     need((d.prompt_field is None) == (d.response_field is None), "data.response_field",
          "prompt_field and response_field must be set together")
-    need(d.max_length >= 2, "data.max_length", f"must be at least 2, got {d.max_length}")
     if spec.lora is not None:
-        need(spec.lora.r > 0, "lora.r", f"must be positive, got {spec.lora.r}")
-        need(spec.lora.alpha > 0, "lora.alpha", f"must be positive, got {spec.lora.alpha}")
-        need(0.0 <= spec.lora.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {spec.lora.dropout}")
         need(bool(spec.lora.target_modules), "lora.target_modules", "must name at least one module")
-    need(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
-    need(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
-    need(len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas), "optimizer.betas",
-         f"must be two numbers in [0, 1), got {o.betas}")
-    need(o.eps > 0, "optimizer.eps", f"must be positive, got {o.eps}")
-    need(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
-    need(0.0 <= o.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    need(o.grad_clip is None or o.grad_clip > 0, "optimizer.grad_clip", f"must be positive or null, got {o.grad_clip}")
-    need(b.global_batch > 0, "batch.global_batch", f"must be positive, got {b.global_batch}")
-    need(b.micro_batch > 0, "batch.micro_batch", f"must be positive, got {b.micro_batch}")
-    need(b.reference_world > 0, "batch.reference_world", f"must be positive, got {b.reference_world}")
+    need(len(o.betas) == 2, "optimizer.betas", f"must be two numbers, got {_show(o.betas)}")
     if b.policy == "scale_with_world" and b.global_batch > 0 and b.reference_world > 0:
         need(b.global_batch % b.reference_world == 0, "batch.global_batch",
              f"must be a multiple of batch.reference_world ({b.reference_world}) for scale_with_world, "
              f"got {b.global_batch}")
     need((spec.steps is None) != (spec.epochs is None), "steps", "set exactly one of steps and epochs")
-    need(spec.steps is None or spec.steps > 0, "steps", f"must be positive, got {spec.steps}")
-    need(spec.epochs is None or spec.epochs > 0, "epochs", f"must be positive, got {spec.epochs}")
-    c = spec.checkpoint
-    need(c.every_steps is None or c.every_steps > 0, "checkpoint.every_steps", f"must be positive or null, got {c.every_steps}")
-    need(c.every_seconds is None or c.every_seconds > 0, "checkpoint.every_seconds",
-         f"must be positive or null, got {c.every_seconds}")
-    need(c.keep_last is None or c.keep_last > 0, "checkpoint.keep_last", f"must be positive or null, got {c.keep_last}")
-    need(c.keep_every is None or c.keep_every > 0, "checkpoint.keep_every", f"must be positive or null, got {c.keep_every}")
-    need(c.orphan_grace_s >= 0, "checkpoint.orphan_grace_s", f"must be >= 0, got {c.orphan_grace_s}")
-    need(spec.logging.every_steps > 0, "logging.every_steps", f"must be positive, got {spec.logging.every_steps}")
-    need(bool(spec.name) and "/" not in spec.name, "name", f"must be a non-empty name without '/', got {spec.name!r}")
+    problem = name_problem(spec.name) if check_files else None
+    need(problem is None, "name", f"{problem} (it is the default run id)")
+    need(_only_run_id_placeholder(spec.logging.dir), "logging.dir",
+         f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
+    p.extend(out_of_range(spec, LIMITS))
     for i, f in enumerate(d.files if check_files else ()):
         need(os.path.isfile(f) or "://" in f, f"data.files[{i}]", f"file {f!r} does not exist")
     return p
+
+
+def _only_run_id_placeholder(template: str) -> bool:
+    # logging.dir is str.format-ed with run_id: any other {field} would raise at start-up.
+    try:
+        template.format(run_id="x")
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return False
+    return True

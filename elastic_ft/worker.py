@@ -14,16 +14,27 @@ import sys
 from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
+from elastic_ft.names import name_problem
 from elastic_ft.train.data import DataError
 from elastic_ft.train.scaling import BatchPlanError
 
 USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError)
 
 
+def _run_id(text: str) -> str:
+    # The run id is a path component of every checkpoint key: '../x' would write
+    # outside --checkpoint_uri. argparse prefixes the message with the flag.
+    problem = name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="specs/tiny-lora.yaml", help="job spec YAML")
-    p.add_argument("--run_id", "--run-id", default=None,
-                   help="stable id of the job across restarts (default: the spec's name)")
+    p.add_argument("--run_id", "--run-id", default=None, type=_run_id,
+                   help="stable id of the job across restarts (default: the spec's name); "
+                        "letters, digits, '.', '_', '-', at most 128 characters")
     p.add_argument("--checkpoint_uri", "--checkpoint-uri", default="file://./runs",
                    help="where run directories live: file:///abs/dir, file://./rel/dir or s3://bucket/prefix")
     p.add_argument("--log_dir", "--log-dir", default=None, help="events.jsonl directory (default: the spec's logging.dir)")

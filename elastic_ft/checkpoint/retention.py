@@ -11,19 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic_ft.bounds import out_of_range
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
+from elastic_ft.config import LIMITS
 
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicy:
+    """What gc keeps. Raises ValueError naming the field for a value outside the
+    spec's range (config.LIMITS): a negative ``keep_last`` once deleted every
+    checkpoint but the newest."""
+
     keep_last: int | None = 3
-    """Newest committed checkpoints to keep (None keeps all)."""
+    """Newest committed checkpoints to keep, at least 1 (None keeps all)."""
     keep_every: int | None = None
-    """Also keep every checkpoint whose step is a multiple of this."""
+    """Also keep every checkpoint whose step is a multiple of this (at least 1)."""
     orphan_grace_s: float = 3600.0
     """Blobs referenced by no manifest are deleted only once older than this
-    (a save in flight has blobs but no manifest yet)."""
+    (a save in flight has blobs but no manifest yet); finite, >= 0."""
+
+    def __post_init__(self) -> None:
+        ranges = {name: LIMITS[f"checkpoint.{name}"] for name in ("keep_last", "keep_every", "orphan_grace_s")}
+        problems = out_of_range(self, ranges)
+        if problems:
+            raise ValueError("retention policy: " + "; ".join(f"{field} {msg}" for field, msg in problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +66,16 @@ def plan_gc(
 
     ``manifests`` maps step -> (manifest key, keys of the blobs it references);
     ``blobs`` lists every object under ``blobs/``. The newest checkpoint is
-    always kept, and no blob referenced by a kept manifest is ever deleted.
+    always kept, whatever the policy holds (even one that bypassed
+    validation: keep_last 0 or negative), and no blob referenced by a kept
+    manifest is ever deleted.
     """
     steps = sorted(manifests)
     # Not steps[-keep_last:]: with keep_last=0 that slice is the whole list (keep all).
     keep: set[int] = set(steps if policy.keep_last is None else steps[max(0, len(steps) - policy.keep_last) :])
     if steps:
-        keep.add(steps[-1])
-    if policy.keep_every:
+        keep.add(steps[-1])  # defensive: the one checkpoint a resume can always use
+    if policy.keep_every and policy.keep_every > 0:
         keep |= {s for s in steps if s % policy.keep_every == 0}
     drop_manifests = [
         Deletion(manifests[s][0], f"step {s} is past retention (keep_last={policy.keep_last}, "

@@ -33,11 +33,23 @@ def take(cursor: int, count: int, n: int, seed: int) -> list[tuple[int, int]]:
 
     A batch may straddle an epoch boundary: it ends one epoch's order and
     starts the next one's, so no sample is dropped or repeated at the seam.
+    Builds nothing but the ``count`` pairs it returns, reading each epoch's
+    order it touches in place (a step's batch is bounded by the dataset size
+    before training starts: scaling.total_steps). Raises ValueError for a
+    negative ``cursor`` or ``count``.
     """
-    out = []
-    for pos in range(cursor, cursor + count):
+    if cursor < 0 or count < 0:
+        raise ValueError(f"take: cursor ({cursor}) and count ({count}) must be >= 0")
+    if count and n <= 0:
+        epoch_order(seed, 0, n)  # raises the empty-dataset error
+    out: list[tuple[int, int]] = []
+    pos, end = cursor, cursor + count
+    while pos < end:
         epoch, offset = divmod(pos, n)
-        out.append((epoch, epoch_order(seed, epoch, n)[offset]))
+        stop = min(n, offset + (end - pos))  # this epoch's part of the batch ends here
+        order = epoch_order(seed, epoch, n)
+        out.extend((epoch, order[k]) for k in range(offset, stop))
+        pos += stop - offset
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from elastic_ft.config import BatchConfig, OptimizerConfig
+from elastic_ft.config import MAX_STEPS, BatchConfig, OptimizerConfig
 
 
 class BatchPlanError(ValueError):
@@ -109,8 +109,25 @@ def lr_at(step: int, total_steps: int, peak: float, opt: OptimizerConfig) -> flo
 
 
 def total_steps(steps: int | None, epochs: float | None, dataset_size: int, global_batch: int) -> int:
-    """Steps of the run: ``steps`` as given, or enough global batches to cover ``epochs``."""
+    """Steps of the run: ``steps`` as given, or enough global batches to cover ``epochs``.
+
+    Raises :class:`BatchPlanError` naming the field when a step would take
+    more samples than the dataset holds (each would repeat within the step,
+    and a huge batch would be built in memory), or when ``epochs`` makes more
+    than ``config.MAX_STEPS`` steps. Callers check this before the first step.
+    """
+    if global_batch > dataset_size:
+        raise BatchPlanError(
+            f"batch.global_batch: a step would take {global_batch} samples, more than the dataset holds "
+            f"({dataset_size}); lower batch.global_batch to at most {dataset_size} or add data"
+        )
     if steps is not None:
         return steps
     assert epochs is not None
-    return max(1, math.ceil(epochs * dataset_size / global_batch))
+    count = max(1, math.ceil(epochs * dataset_size / global_batch))
+    if count > MAX_STEPS:
+        raise BatchPlanError(
+            f"epochs: {epochs} epochs of {dataset_size} samples in batches of {global_batch} make {count} steps, "
+            f"more than the limit of {MAX_STEPS}"
+        )
+    return count

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -65,5 +66,6 @@ _run_ids = itertools.count()
 @pytest.fixture
 def run_id(request: pytest.FixtureRequest) -> str:
     """A run id unique within the session, readable in etcd dumps."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")
+    # Run ids are checked (elastic_ft.names): keep to its character set and length.
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")[:80]
     return f"{name}-{os.getpid()}-{next(_run_ids)}"

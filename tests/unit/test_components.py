@@ -107,3 +107,17 @@ def test_overrides_and_options_passed_through():
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         train(**kwargs)
+
+
+@pytest.mark.parametrize("run_id", ["../escaped", "..", ".", "a/b", "/abs", ".hidden", "-x", "x y", "é", "",
+                                    "r" * 129])
+def test_run_id_must_be_one_safe_path_component(run_id):
+    # '../escaped' wrote checkpoints outside checkpoint_uri and logs outside torchx's log dir.
+    with pytest.raises(ValueError, match="^--run_id "):
+        train(run_id=run_id)
+
+
+@pytest.mark.parametrize("run_id", ["job1", "Run-2.b_c", "r" * 128, "0"])
+def test_valid_run_ids_pass_through(run_id):
+    cmd = command(train(run_id=run_id))
+    assert flag(cmd, "--run_id") == run_id and flag(cmd, "--rdzv_id") == run_id

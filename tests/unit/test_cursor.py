@@ -41,6 +41,27 @@ def test_take_within_and_across_epochs():
     assert take(5, 0, n, seed) == []
 
 
+def _take_by_definition(cursor, count, n, seed):
+    """The definition take() must keep: position p is epoch p // n, index order[p % n]."""
+    return [(p // n, epoch_order(seed, p // n, n)[p % n]) for p in range(cursor, cursor + count)]
+
+
+@pytest.mark.parametrize("cursor,count,n", [(0, 1, 1), (0, 7, 7), (3, 4, 7), (5, 30, 7), (69, 1, 7), (14, 0, 7),
+                                            (123, 250, 50), (0, 1, 1000)])
+def test_take_matches_its_definition(cursor, count, n):
+    assert take(cursor, count, n, seed=5) == _take_by_definition(cursor, count, n, seed=5)
+
+
+def test_take_refuses_negative_positions_and_empty_data():
+    # A negative count used to return an empty batch silently (a step that trained on nothing).
+    with pytest.raises(ValueError, match=r"cursor \(0\) and count \(-1\) must be >= 0"):
+        take(0, -1, 10, 0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        take(-3, 2, 10, 0)
+    with pytest.raises(ValueError, match="empty"):
+        take(0, 1, 0, 0)
+
+
 def _consume(segments, n, seed):
     """Run the cursor through restarts: each segment is (world, global_batch, steps).
     Returns what the ranks processed, in rank order per step, and the final cursor."""

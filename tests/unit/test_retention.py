@@ -1,6 +1,10 @@
 """Retention planning (elastic_ft.checkpoint.retention.plan_gc): a pure function
 of the store listing, the policy and the clock."""
 
+import math
+
+import pytest
+
 from elastic_ft.checkpoint.manifest import manifest_key
 from elastic_ft.checkpoint.retention import RetentionPolicy, plan_gc
 from elastic_ft.checkpoint.store import ObjectInfo
@@ -59,11 +63,46 @@ def test_newest_always_kept():
     assert plan.kept_steps == [11]
 
 
-def test_keep_last_zero_keeps_only_the_newest():
-    manifests, blobs = store_of([1, 2, 3])
-    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=0), NOW)
-    assert plan.kept_steps == [3]
-    assert deleted(plan)[0] == {manifest_key(1), manifest_key(2)}
+@pytest.mark.parametrize("field,value,expected", [
+    ("keep_last", -5, "keep_last must be in [1, 1000000], got -5"),
+    ("keep_last", 0, "keep_last must be in [1, 1000000], got 0"),
+    ("keep_every", 0, "keep_every must be in [1, 1000000000], got 0"),
+    ("keep_every", -2, "keep_every must be in [1, 1000000000], got -2"),
+    ("orphan_grace_s", -100.0, "orphan_grace_s must be in [0.0, 100000000.0], got -100.0"),
+    ("orphan_grace_s", math.nan, "orphan_grace_s must be in"),
+    ("orphan_grace_s", math.inf, "orphan_grace_s must be in"),
+])
+def test_policy_refuses_values_outside_the_spec_range(field, value, expected):
+    # keep_last=-5 once deleted every checkpoint but the newest; a negative grace deletes a save in flight.
+    with pytest.raises(ValueError) as info:
+        RetentionPolicy(**{field: value})
+    assert expected in str(info.value)
+
+
+def _bypassing_validation(**fields):
+    """A policy holding values validation refuses, as a caller that skipped it would build."""
+    policy = RetentionPolicy()
+    for k, v in fields.items():
+        object.__setattr__(policy, k, v)
+    return policy
+
+
+POLICIES = [RetentionPolicy(keep_last=k, keep_every=e, orphan_grace_s=g)
+            for k in (None, 1, 2, 5) for e in (None, 1, 3, 7) for g in (0.0, 3600.0)]
+POLICIES += [_bypassing_validation(keep_last=k, keep_every=e, orphan_grace_s=g)
+             for k in (0, -1, -5) for e in (None, 0, -3) for g in (0.0, -100.0, -math.inf)]
+
+
+@pytest.mark.parametrize("steps", [[5], [3, 7, 11], [2, 4, 6, 8, 10, 12]])
+def test_newest_checkpoint_and_its_blobs_survive_every_policy(steps):
+    manifests, blobs = store_of(steps, shared=("blobs/base/shared.json",), age=10 * 86400)
+    newest = max(steps)
+    for policy in POLICIES:
+        plan = plan_gc(manifests, blobs, policy, NOW)
+        gone_m, gone_b = deleted(plan)
+        assert newest in plan.kept_steps, policy
+        assert manifest_key(newest) not in gone_m, policy
+        assert not gone_b & manifests[newest][1], policy
 
 
 def test_blobs_of_kept_manifests_never_deleted_even_if_shared_or_old():

@@ -185,7 +185,22 @@ def test_total_steps():
     assert total_steps(100, None, 1024, 32) == 100
     assert total_steps(None, 1.0, 1024, 32) == 32
     assert total_steps(None, 2.5, 100, 32) == 8  # ceil(250 / 32)
-    assert total_steps(None, 0.001, 10, 32) == 1
+    assert total_steps(None, 0.001, 100, 32) == 1
+
+
+def test_total_steps_refuses_a_batch_larger_than_the_dataset():
+    # batch.global_batch=1000000000 once made take() build a billion-entry list at the first step.
+    assert total_steps(10, None, 32, 32) == 10  # exactly the dataset: every sample once per step
+    with pytest.raises(BatchPlanError, match=r"batch.global_batch: a step would take 33 samples, .*\(32\).* at most 32"):
+        total_steps(10, None, 32, 33)
+    with pytest.raises(BatchPlanError, match="batch.global_batch"):
+        total_steps(None, 1.0, 1024, 10**9)
+
+
+def test_total_steps_refuses_epochs_beyond_the_step_limit():
+    assert total_steps(None, 1e6, 1000, 1000) == 10**6
+    with pytest.raises(BatchPlanError, match=r"^epochs: .* more than the limit of 1000000000"):
+        total_steps(None, 1e6, 10**6, 1)
 
 
 # --------------------------------------------------------------------------- gradient invariant
