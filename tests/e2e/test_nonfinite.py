@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_blobs, read_manifest
@@ -95,7 +94,6 @@ def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
     assert list_manifests(LocalStore(os.path.join(run_root, "r"))) == []
 
 
-@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(run_root):
     # Only rank 1's loss is NaN; the gradient norm after DDP's all-reduce is NaN on
     # both ranks, so both skip the update (a rank that stepped alone would leave
