@@ -388,7 +388,8 @@ class Trainer:
 
     def _on_save_error(self, snap: Snapshot, exc: BaseException) -> None:
         self._save_started.pop(snap.step, None)
-        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}")
+        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}",
+                         in_row=self.saver.failed_in_row, limit=self.spec.checkpoint.max_failed_saves)
 
     # ------------------------------------------------------------------ the run
 

@@ -89,7 +89,7 @@ def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
             "checkpoint.max_failed_saves); the last: checkpoint of step 2 not committed") in err
     assert "blobs/000000000002-" in err, "the error does not name the cause"
     events = events_of(run_root, "r")
-    assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [1, 2]
+    assert [(e["step"], e["in_row"], e["limit"]) for e in events if e["event"] == "checkpoint_failed"] == [(1, 1, 2), (2, 2, 2)]
     assert events[-1]["event"] == "aborted" and "end" not in {e["event"] for e in events}
     assert list_manifests(LocalStore(os.path.join(run_root, "r"))) == []
 
