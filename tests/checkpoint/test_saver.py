@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
-from elastic_ft.checkpoint.saver import AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors
+from elastic_ft.checkpoint.saver import (
+    AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors,
+)
 from elastic_ft.checkpoint.store import LocalStore, StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot
 
@@ -78,7 +80,8 @@ def test_on_commit_raising_keeps_the_thread_and_the_commit(tmp_path, escaped, ca
     saver.save(make_snap(1), new_nonce())  # the manifest landed: not a failed save
     assert committed_steps(store) == [1]
     assert saver.failed_in_row == 0
-    assert saver.callback_failures == ["on_commit for step 1: OSError: [Errno 28] No space left on device: 'events.jsonl'"]
+    assert saver.callback_failures == [
+        "on_commit for step 1: OSError: [Errno 28] No space left on device: 'events.jsonl'"]
     assert "on_commit for step 1 raised" in caplog.text
     worker = saver._worker
     saver.save(make_snap(2), new_nonce())
@@ -126,8 +129,9 @@ def test_consecutive_failed_saves_stop_with_the_count_and_the_last_cause(tmp_pat
     for step in (5, 6, 7):
         submit(step)
     assert errors == [2, 3, 5, 6, 7] and saver.failed_in_row == 3
-    with pytest.raises(SavesFailing, match=r"^3 checkpoint saves in a row failed \(limit 3, checkpoint.max_failed_saves\); "
-                                           r"the last: checkpoint of step 7 not committed .*StoreUnavailable: .*503 SlowDown"):
+    with pytest.raises(SavesFailing, match=r"^3 checkpoint saves in a row failed \(limit 3, "
+                       r"checkpoint.max_failed_saves\); the last: checkpoint of step 7 not committed "
+                       r".*StoreUnavailable: .*503 SlowDown"):
         saver.submit(make_snap(8), new_nonce())
     with pytest.raises(SavesFailing, match="3 checkpoint saves in a row failed"):
         saver.flush()
@@ -140,7 +144,8 @@ def test_waits_are_bounded(tmp_path):
     saver = AsyncSaver(CheckpointWriter(store, RUN), timeout_s=0.5)
     saver.submit(make_snap(1), new_nonce())
     t0 = time.monotonic()
-    with pytest.raises(SaveTimeout, match=r"the checkpoint of step 1 did not finish within 0.5 s \(checkpoint.save_timeout_s\)"):
+    with pytest.raises(SaveTimeout,
+                       match=r"the checkpoint of step 1 did not finish within 0.5 s \(checkpoint.save_timeout_s\)"):
         saver.flush()
     with pytest.raises(SaveTimeout):
         saver.submit(make_snap(2), new_nonce())

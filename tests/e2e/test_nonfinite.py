@@ -27,7 +27,7 @@ def committed(root: str, run_id: str) -> dict[int, dict[str, dict[str, torch.Ten
         loaded = load_blobs(store, read_manifest(store, info.key, run_id=run_id))
         for group, named in loaded.tensors.items():
             for name, t in named.items():
-                assert torch.isfinite(t).all(), f"checkpoint of step {loaded.manifest.step}: {group}/{name} holds NaN/inf"
+                assert torch.isfinite(t).all(), f"step {loaded.manifest.step}: {group}/{name} holds NaN/inf"
         out[loaded.manifest.step] = loaded.tensors
     return out
 
@@ -89,7 +89,8 @@ def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
             "checkpoint.max_failed_saves); the last: checkpoint of step 2 not committed") in err
     assert "blobs/000000000002-" in err, "the error does not name the cause"
     events = events_of(run_root, "r")
-    assert [(e["step"], e["in_row"], e["limit"]) for e in events if e["event"] == "checkpoint_failed"] == [(1, 1, 2), (2, 2, 2)]
+    failed = [(e["step"], e["in_row"], e["limit"]) for e in events if e["event"] == "checkpoint_failed"]
+    assert failed == [(1, 1, 2), (2, 2, 2)]
     assert events[-1]["event"] == "aborted" and "end" not in {e["event"] for e in events}
     assert list_manifests(LocalStore(os.path.join(run_root, "r"))) == []
 
