@@ -96,6 +96,9 @@ class OptimizerConfig:
     """Final LR as a fraction of the peak."""
     grad_clip: float | None = 1.0
     """Max global gradient norm; null disables clipping."""
+    max_nonfinite_steps: int = 3
+    """A step whose gradient norm (or loss) is NaN or infinite skips its update; this many such
+    steps in a row stop the run with an error (1 to 1000). Not part of the config hash."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -130,6 +133,10 @@ class CheckpointConfig:
     """Upload in the background (training blocks only for the copy to host memory)."""
     if_busy: Literal["wait", "skip"] = "wait"
     """When a save is due while the previous one is still uploading: wait for it, or skip this one."""
+    max_failed_saves: int = 3
+    """This many failed saves in a row stop the run with an error naming the last cause (1 to 100)."""
+    save_timeout_s: float = 1800.0
+    """Longest wait for one save (upload and commit, every rank's part) before the run stops (1 to 86400 s)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -171,6 +178,7 @@ class JobSpec:
         # with steps=...) without making the checkpoint a different training.
         for volatile in ("logging", "checkpoint", "name", "steps", "epochs"):
             d.pop(volatile, None)
+        d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -198,6 +206,7 @@ LIMITS: dict[str, Bound] = {
     "optimizer.warmup_steps": Bound(0, MAX_STEPS),
     "optimizer.min_lr_ratio": Bound(0.0, 1.0),
     "optimizer.grad_clip": Bound(0.0, 1e6, lo_open=True),
+    "optimizer.max_nonfinite_steps": Bound(1, 1000),
     "batch.global_batch": Bound(1, MAX_BATCH),
     "batch.micro_batch": Bound(1, MAX_BATCH),
     "batch.reference_world": Bound(1, 2**16),
@@ -209,6 +218,8 @@ LIMITS: dict[str, Bound] = {
     "checkpoint.keep_last": Bound(1, 10**6),
     "checkpoint.keep_every": Bound(1, MAX_STEPS),
     "checkpoint.orphan_grace_s": Bound(0.0, 1e8),
+    "checkpoint.max_failed_saves": Bound(1, 100),
+    "checkpoint.save_timeout_s": Bound(1.0, 86400.0),
     "logging.every_steps": Bound(1, MAX_STEPS),
 }
 

@@ -4,6 +4,14 @@
 SIGKILL itself at the start of step 7 in the first attempt only, the way a
 lost machine would end it: no cleanup, no final checkpoint. Several faults
 are separated by ``;``. Unset, this costs one dict lookup per step.
+
+Actions:
+- ``kill``: SIGKILL the worker at the start of the step.
+- ``nan_loss``: the step's loss on that rank is NaN before its backward pass,
+  as an overflow in the forward pass makes it (so its gradient is NaN too).
+- ``nan_weight``: one trainable tensor on that rank is set to NaN at the start
+  of the step, and stays so: every later loss is NaN.
+The trainer asks :meth:`Injector.fires` for the ``nan_*`` actions where they apply.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import os
 import signal
 
 ENV = "ELASTIC_FT_FAULTS"
+ACTIONS = ("kill", "nan_loss", "nan_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +36,8 @@ def parse(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
         action, _, rest = item.partition(":")
-        if action != "kill":
-            raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: kill")
+        if action not in ACTIONS:
+            raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: {', '.join(ACTIONS)}")
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
         unknown = set(fields) - {"rank", "step", "restart"}
@@ -50,7 +59,14 @@ class Injector:
     def from_env(cls) -> "Injector":
         return cls(parse(os.environ.get(ENV, "")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
+    def fires(self, action: str, *, rank: int, step: int) -> bool:
+        """Whether a fault of ``action`` is set for this rank, step and restart."""
+        return any(
+            f.action == action and f.step == step and f.rank in (None, rank) and f.restart in (None, self.restart)
+            for f in self.faults
+        )
+
     def maybe_fire(self, *, rank: int, step: int) -> None:
-        for f in self.faults:
-            if f.step == step and f.rank in (None, rank) and f.restart in (None, self.restart):
-                os.kill(os.getpid(), signal.SIGKILL)
+        """Perform the ``kill`` faults due now (the ``nan_*`` ones are applied by the trainer)."""
+        if self.faults and self.fires("kill", rank=rank, step=step):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -8,9 +8,19 @@ the training thread's collectives), and the leader commits the manifest only
 when every part is in. Saves are submitted in the same order on every rank,
 which is what keeps those background collectives paired.
 
+Every rank learns every save's outcome: the parts' problems are gathered, and
+the leader sends the manifest commit's outcome to the others. So each rank's
+saver holds the same history, and :meth:`AsyncSaver.submit` and
+:meth:`AsyncSaver.flush` (which wait for the previous save first) raise on
+every rank alike, never on some while the others enter a collective.
+
 A failed part is retried with backoff, then reported (``on_error``) without
-stopping training; :meth:`AsyncSaver.flush` makes the newest save durable or
-raises, for the end of the job and for a preemption.
+stopping training, up to ``max_failed_saves`` failures in a row; the next
+submit or flush then raises :class:`SavesFailing`: a run must not train for
+hours with no checkpoint. A snapshot holding NaN or infinite values is never
+committed, and stops the run the same way at once (training cannot repair it).
+Every wait is bounded by ``timeout_s`` (:class:`SaveTimeout`). The worker
+thread survives anything its callbacks raise.
 """
 
 from __future__ import annotations
@@ -21,17 +31,38 @@ import threading
 from typing import Callable
 
 import tenacity
+import torch
 import torch.distributed as dist
 
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.store import StoreError
-from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot
+from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tensors
 
 log = logging.getLogger(__name__)
 
 
 class SaveFailed(RuntimeError):
     """A checkpoint was not committed; the message says which step and why."""
+
+
+class NonFiniteCheckpoint(SaveFailed):
+    """A snapshot held NaN or infinite values, so it was refused (nothing of it is committed)."""
+
+
+class SavesFailing(SaveFailed):
+    """Saves failed ``max_failed_saves`` times in a row, or a snapshot was refused: stop the run."""
+
+
+class SaveTimeout(SaveFailed):
+    """A save did not finish within the saver's ``timeout_s``."""
+
+
+def nonfinite_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """``group/name`` of each floating tensor holding a NaN or an infinity (sorted)."""
+    return sorted(
+        f"{group}/{name}" for group, named in tensors.items() for name, t in named.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    )
 
 
 class AsyncSaver:
@@ -45,12 +76,18 @@ class AsyncSaver:
         on_commit: Callable[[Manifest, Snapshot], None] | None = None,
         on_error: Callable[[Snapshot, BaseException], None] | None = None,
         part_attempts: int = 3,
+        max_failed_saves: int = 3,
+        timeout_s: float = 1800.0,
     ) -> None:
+        """``group`` (all ranks, gloo) should have a timeout of about ``timeout_s``: it bounds
+        the background collectives as ``timeout_s`` bounds the training thread's waits."""
         if world_size > 1 and group is None:
             raise ValueError("a multi-rank AsyncSaver needs a process group for its background collectives")
+        if max_failed_saves < 1 or not timeout_s > 0:
+            raise ValueError(f"max_failed_saves ({max_failed_saves}) and timeout_s ({timeout_s}) must be positive")
         self.writer, self.rank, self.world_size, self.group = writer, rank, world_size, group
         self.on_commit, self.on_error = on_commit, on_error
-        self.part_attempts = part_attempts
+        self.part_attempts, self.max_failed_saves, self.timeout_s = part_attempts, max_failed_saves, timeout_s
         # One long-lived worker thread fed by a queue: starting a thread per save
         # cost the training loop ~6 ms on a busy host (Thread.start waits until
         # the new thread is scheduled), several % of a 0.2 s step.
@@ -58,19 +95,33 @@ class AsyncSaver:
         self._idle = threading.Event()
         self._idle.set()
         self._worker: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._step: int | None = None  # the save submitted last
+        self._error: SaveFailed | None = None  # the newest save's failure, until flush() raises it
+        self._stop: SaveFailed | None = None  # a refused snapshot: the run cannot go on
+        self._timed_out = False
+        self.failed_in_row = 0
+        """Saves that failed since the last commit."""
+        self.last_failure: SaveFailed | None = None
+        self.callback_failures: list[str] = []
+        """What ``on_commit``/``on_error`` raised (logged with its traceback; the save's outcome stands)."""
 
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
 
     def submit(self, snap: Snapshot, nonce: str) -> None:
-        """Start saving ``snap`` in the background (after the previous save finishes)."""
+        """Start saving ``snap`` in the background (after the previous save finishes).
+
+        Raises :class:`SavesFailing` instead once ``max_failed_saves`` saves in a
+        row failed or a snapshot was refused, and :class:`SaveTimeout` when the
+        previous save does not finish in time.
+        """
         self.wait()
-        self._error = None
+        self._check()
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._loop, name="ckpt-saver", daemon=True)
             self._worker.start()
+        self._step = snap.step
         self._idle.clear()
         self._jobs.put((snap, nonce))
 
@@ -80,22 +131,45 @@ class AsyncSaver:
         self.flush()
 
     def wait(self) -> None:
-        self._idle.wait()
+        """Block until no save is in flight; :class:`SaveTimeout` after ``timeout_s``."""
+        self._timed_out = not self._idle.wait(self.timeout_s)
+        if self._timed_out:
+            raise SaveTimeout(
+                f"the checkpoint of step {self._step} did not finish within {self.timeout_s:g} s "
+                f"(checkpoint.save_timeout_s) of uploading this rank's part, waiting for the other ranks' parts "
+                f"and committing its manifest: the store or a rank is stuck"
+            )
 
     def flush(self) -> None:
-        """Block until the newest save is done; raise if it failed."""
+        """Block until the newest save is done; raise if it failed (:class:`SaveFailed` or a subclass)."""
         self.wait()
+        self._check()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
     def close(self) -> None:
-        """Wait for the save in flight, then stop the worker thread (errors stay for :meth:`flush`)."""
-        self.wait()
+        """Wait (bounded) for the save in flight, then stop the worker thread (errors stay for :meth:`flush`).
+
+        Never raises: it runs while the run ends, perhaps on an error of its own.
+        After a timeout the stuck (daemon) thread is left behind for the process exit to end.
+        """
+        if self._timed_out or not self._idle.wait(self.timeout_s):
+            log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
+            return
         if self._worker is not None:
             self._jobs.put(None)
-            self._worker.join()
+            self._worker.join(self.timeout_s)
             self._worker = None
+
+    def _check(self) -> None:
+        if self._stop is not None:
+            raise SavesFailing(str(self._stop)) from self._stop
+        if self.failed_in_row >= self.max_failed_saves:
+            raise SavesFailing(
+                f"{self.failed_in_row} checkpoint saves in a row failed (limit {self.max_failed_saves}, "
+                f"checkpoint.max_failed_saves); the last: {self.last_failure}"
+            ) from self.last_failure
 
     def _loop(self) -> None:
         while True:
@@ -104,10 +178,43 @@ class AsyncSaver:
                 return
             try:
                 self._run(*job)
+            except BaseException:  # the thread must outlive any one save: the next one may work
+                log.exception("checkpoint saver: unexpected error; the saver carries on")
             finally:
                 self._idle.set()
 
     # ------------------------------------------------------------------ background
+
+    def _run(self, snap: Snapshot, nonce: str) -> None:
+        try:
+            manifest = self._save(snap, nonce)
+        except BaseException as exc:
+            self._failed(snap, exc)
+            return
+        self.failed_in_row, self.last_failure, self._error = 0, None, None
+        if manifest is not None and self.on_commit is not None:
+            self._callback("on_commit", snap.step, self.on_commit, manifest, snap)
+
+    def _failed(self, snap: Snapshot, exc: BaseException) -> None:
+        if not isinstance(exc, SaveFailed):
+            err = SaveFailed(f"checkpoint of step {snap.step} not committed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            exc = err
+        assert isinstance(exc, SaveFailed)
+        self._error, self.last_failure = exc, exc
+        self.failed_in_row += 1
+        if isinstance(exc, NonFiniteCheckpoint):
+            self._stop = exc
+        log.error("%s", exc)
+        if self.on_error is not None:
+            self._callback("on_error", snap.step, self.on_error, snap, exc)
+
+    def _callback(self, name: str, step: int, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # the save's outcome stands: report, and keep the thread for the next save
+            log.exception("checkpoint saver: %s for step %d raised; the saver carries on", name, step)
+            self.callback_failures.append(f"{name} for step {step}: {type(exc).__name__}: {exc}")
 
     def _upload(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
         retrying = tenacity.Retrying(
@@ -122,37 +229,54 @@ class AsyncSaver:
         )
         return retrying(self.writer.upload_part, snap, nonce, part=self.rank, parts=self.world_size)
 
-    def _run(self, snap: Snapshot, nonce: str) -> None:
-        refs: dict[str, BlobRef] = {}
-        problem = None
+    def _upload_checked(self, snap: Snapshot, nonce: str) -> tuple[dict[str, BlobRef], str | None, bool]:
+        """This rank's part: (blob refs, problem, whether the problem is non-finite state).
+
+        Each rank checks the shard it uploads, so the whole checkpoint is checked
+        once, in the background, at no cost to the training thread.
+        """
+        where = f"part {self.rank}/{self.world_size}"
+        mine = {group: shards[self.rank] for group, shards in shard_tensors(snap.tensors, self.world_size).items()}
+        bad = nonfinite_tensors(mine)
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            return {}, f"{where}: non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}", True
         try:
-            refs = self._upload(snap, nonce)
-        except Exception as exc:  # reported below, after the parts are gathered
-            problem = f"part {self.rank}/{self.world_size}: {type(exc).__name__}: {exc}"
-        try:
-            gathered = [(refs, problem)]
-            if self.world_size > 1:
-                gathered = [None] * self.world_size
-                dist.all_gather_object(gathered, (refs, problem), group=self.group)
-            if self.rank != 0:
-                if problem:
-                    raise SaveFailed(f"checkpoint of step {snap.step} not committed: {problem}")
-                return
-            problems = [p for _, p in gathered if p]
-            if problems:
-                raise SaveFailed(
-                    f"checkpoint of step {snap.step} not committed after {self.part_attempts} attempt(s) per part: "
-                    + "; ".join(problems)
-                )
+            return self._upload(snap, nonce), None, False
+        except Exception as exc:  # reported after the parts are gathered, the same on every rank
+            return {}, f"{where}: {type(exc).__name__}: {exc}", False
+
+    def _save(self, snap: Snapshot, nonce: str) -> Manifest | None:
+        """Upload, gather, commit: the manifest on the leader (None elsewhere), or the failure on every rank."""
+        mine = self._upload_checked(snap, nonce)
+        gathered = [mine]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, mine, group=self.group)
+        problems = [p for _, p, _ in gathered if p]
+        if any(nonfinite for _, _, nonfinite in gathered):
+            raise NonFiniteCheckpoint(
+                f"checkpoint of step {snap.step} refused: the trainable state or optimizer state holds non-finite "
+                f"values, and a checkpoint is never committed from them: " + "; ".join(problems)
+            )
+        if problems:
+            raise SaveFailed(
+                f"checkpoint of step {snap.step} not committed after {self.part_attempts} attempt(s) per part: "
+                + "; ".join(problems)
+            )
+        manifest, outcome, cause = None, None, None
+        if self.rank == 0:
             blobs: dict[str, BlobRef] = {}
-            for part_refs, _ in gathered:
+            for part_refs, _, _ in gathered:
                 blobs.update(part_refs)
-            manifest = self.writer.commit_manifest(snap, blobs)
-        except BaseException as exc:  # never raised on the training thread; flush() re-raises
-            self._error = exc
-            log.error("%s", exc)
-            if self.on_error is not None:
-                self.on_error(snap, exc)
-            return
-        if self.on_commit is not None:
-            self.on_commit(manifest, snap)
+            try:
+                manifest = self.writer.commit_manifest(snap, blobs)
+            except Exception as exc:
+                outcome, cause = f"{type(exc).__name__}: {exc}", exc
+        if self.world_size > 1:  # the others learn whether the manifest landed
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            outcome = box[0]
+        if outcome is not None:
+            raise SaveFailed(f"checkpoint of step {snap.step} not committed: its manifest: {outcome}") from cause
+        return manifest

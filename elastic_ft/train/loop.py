@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newe
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
 from elastic_ft.checkpoint.manifest import Manifest
-from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, retire, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
@@ -33,6 +34,7 @@ from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
+from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 
@@ -125,6 +127,8 @@ class StepResult:
     loss_sum: torch.Tensor
     """This rank's summed token loss; the global sum once :meth:`Trainer.flush_metrics` ran."""
     seconds: float = float("nan")
+    skipped: str | None = None
+    """Why the update was skipped (a non-finite gradient), or None."""
 
     @property
     def loss(self) -> float:
@@ -162,11 +166,17 @@ class Trainer:
         self.cursor = 0
         # Background saves talk over their own gloo group, so their collectives
         # never interleave with the training thread's.
-        ckpt_group = dist.new_group(backend="gloo") if world.distributed else None
+        # Its timeout bounds their waits as save_timeout_s bounds the training thread's.
+        c = spec.checkpoint
+        ckpt_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=c.save_timeout_s))
+                      if world.distributed else None)
         self.saver = AsyncSaver(
             CheckpointWriter(self.store, opts.run_id), rank=world.rank, world_size=world.size, group=ckpt_group,
-            on_commit=self._on_commit, on_error=self._on_save_error,
+            on_commit=self._on_commit, on_error=self._on_save_error, max_failed_saves=c.max_failed_saves,
+            timeout_s=c.save_timeout_s,
         )
+        self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
+        self.injector = faults.Injector.from_env()
         self._save_started: dict[int, tuple[float, float, str]] = {}  # step -> (start, blocked s, reason)
         self._save_lock = threading.Lock()
         # The spec does not change during a run; rendering and hashing it on every
@@ -233,6 +243,7 @@ class Trainer:
         chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
         net = self.ddp or self.model
         loss_sum = torch.zeros((), dtype=torch.float64)
+        poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
         for j, chunk in enumerate(chunks):
             last = j == len(chunks) - 1
             # One synchronised backward per step on every rank, however many micro-batches it has.
@@ -246,12 +257,11 @@ class Trainer:
                 ce = F.cross_entropy(
                     logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data_mod.IGNORE, reduction="sum",
                 )
+                if poison:
+                    ce = ce * float("nan")
                 (ce * scale).backward()
             loss_sum += ce.detach().double().cpu()
-        if spec.optimizer.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), spec.optimizer.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
             # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
@@ -261,7 +271,51 @@ class Trainer:
                 dist.all_gather_object(consumed, my_positions)
         self.step += 1
         self.cursor += plan.global_batch
-        return StepResult(self.step, lr, global_tokens, consumed, loss_sum)
+        if skipped is not None:
+            self.events.emit(
+                "step_skipped", step=self.step, reason=skipped, loss=_number(float(loss_sum) / max(1, global_tokens)),
+                grad_norm=_number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
+            )
+            loss_sum = torch.zeros((), dtype=torch.float64)  # its loss is reported above, not in the step metrics
+            if self.guard.exhausted:
+                self.flush_metrics()  # every rank is here: the guard's decision is the same on all
+                raise self._abort(self.guard.abort_message(self.step))
+        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped)
+
+    def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
+        """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
+
+        The norm is taken after DDP's all-reduce, so it is the same number on
+        every rank and every rank takes the same branch. Reading it is the one
+        host sync this adds per step. A non-finite local loss makes its gradient
+        non-finite too, so it is caught here on every rank; on that branch
+        (taken by all) the loss is summed over ranks for the event.
+        """
+        params = list(self.trainable.values())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self._sum_over_ranks(loss_sum)
+        reason = self.guard.observe(grad_norm, float(loss_sum) / max(1, global_tokens))
+        if reason is None:
+            if self.spec.optimizer.grad_clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return reason, grad_norm
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> None:
+        """All-reduce a host tensor in place (through the device for NCCL, which reduces no host memory)."""
+        if not self.world.distributed:
+            return
+        on_device = t.to(self.world.device)
+        dist.all_reduce(on_device)
+        t.copy_(on_device)
+
+    def _abort(self, reason: str) -> RunAborted:
+        """The error that stops the run, with its event (the caller raises it, on every rank alike)."""
+        self.events.emit("aborted", step=self.step, reason=reason)
+        return RunAborted(reason)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -270,6 +324,10 @@ class Trainer:
 
         Called on every rank at the same steps. Training blocks for the host
         copy only, unless ``sync`` (or ``checkpoint.async_save: false``).
+        A failed save is an event, and the run goes on, until
+        ``checkpoint.max_failed_saves`` failed in a row: then the saver raises
+        :class:`SaveFailed` here (on every rank alike; :meth:`run` stops the
+        run). ``sync`` raises on any failure: the caller needs the checkpoint.
         """
         self.flush_metrics()  # the events of every step a checkpoint covers are written first
         t0 = time.monotonic()
@@ -295,7 +353,11 @@ class Trainer:
         )
         if sync or not cfg.async_save:
             self._save_started[self.step] = (t0, float("nan"), reason)
-            self.saver.save(snap, nonce)
+            self.saver.submit(snap, nonce)
+            if sync:
+                self.saver.flush()
+            else:
+                self.saver.wait()
         else:
             # Waiting for a save still in flight (if_busy=wait) is part of the blocked
             # time. The lock keeps a fast commit's _on_commit (which pops this entry)
@@ -326,7 +388,8 @@ class Trainer:
 
     def _on_save_error(self, snap: Snapshot, exc: BaseException) -> None:
         self._save_started.pop(snap.step, None)
-        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}")
+        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}",
+                         in_row=self.saver.failed_in_row, limit=self.spec.checkpoint.max_failed_saves)
 
     # ------------------------------------------------------------------ the run
 
@@ -339,25 +402,40 @@ class Trainer:
             config_hash=self.spec.hash(), batch_plan=self.plan.to_dict(),
         )
         self.resume()
-        injector = faults.Injector.from_env()
         self._start_step, self._t_start = self.step, time.monotonic()
-        while self.step < self.total_steps:
-            injector.maybe_fire(rank=w.rank, step=self.step)
-            self.step_once()
-            due, why = checkpoint_due(
-                step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
-                seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
-            )
-            if self.spec.checkpoint.every_seconds is not None:
-                due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
-            if due:
-                self.save(why)
-        self.flush_metrics()
-        self.saver.flush()  # the final checkpoint is durable before the job reports success
+        try:
+            while self.step < self.total_steps:
+                self._inject_faults()
+                self.step_once()
+                due, why = checkpoint_due(
+                    step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
+                    seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
+                )
+                if self.spec.checkpoint.every_seconds is not None:
+                    due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
+                if due:
+                    self.save(why)
+            self.flush_metrics()
+            self.saver.flush()  # the final checkpoint is durable before the job reports success
+        except SaveFailed as exc:  # the saver raises it on every rank alike (see AsyncSaver)
+            raise self._abort(
+                f"run {self.opts.run_id!r} stopped at step {self.step}: {exc}. A restarted job resumes from the "
+                f"newest committed checkpoint"
+            ) from exc
         summary = {"step": self.step, "final_loss": self.last_loss,
                    "seconds": round(time.monotonic() - self._t_start, 2)}
         self.events.emit("end", **summary)
         return summary
+
+    def _inject_faults(self) -> None:
+        """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.faults`)."""
+        inj = self.injector
+        if not inj.faults:
+            return
+        inj.maybe_fire(rank=self.world.rank, step=self.step)
+        if inj.fires("nan_weight", rank=self.world.rank, step=self.step):
+            with torch.no_grad():
+                next(iter(self.trainable.values())).fill_(float("nan"))
 
     def step_once(self) -> StepResult:
         """One optimizer step, with its metrics reported every ``logging.every_steps`` steps."""
@@ -380,8 +458,7 @@ class Trainer:
         if not self._unreported:
             return
         sums = torch.stack([r.loss_sum for r in self._unreported])
-        if self.world.distributed:
-            dist.all_reduce(sums)
+        self._sum_over_ranks(sums)
         for r, total in zip(self._unreported, sums):
             r.loss_sum = total
             self.report(r)
@@ -390,10 +467,12 @@ class Trainer:
     def report(self, r: StepResult) -> None:
         """Events and the progress line of a finished step."""
         w = self.world
-        loss = r.loss
-        self.last_loss = loss
         if r.consumed is not None:
             self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
+        if r.skipped is not None:
+            return  # its step_skipped event was emitted when it happened
+        loss = r.loss
+        self.last_loss = loss
         done = max(1, r.step - self._start_step)
         eta = (time.monotonic() - self._t_start) / done * (self.total_steps - r.step)
         self.events.emit(
@@ -410,6 +489,11 @@ class Trainer:
         self.saver.close()
         self.events.close()
         self.store.close()
+
+
+def _number(x: float) -> float | str:
+    """``x`` for a JSON event: NaN and infinities as text (JSON has no such numbers)."""
+    return x if math.isfinite(x) else str(x)
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -1,0 +1,94 @@
+"""One rank of a 2-process gloo job that drives AsyncSaver through failures that
+only one rank sees (``test_saver_ranks.py`` starts two of these).
+
+``python saver_ranks.py RANK WORLD DIR``: joins the group through ``DIR/pg``,
+saves into the LocalStore at ``DIR/store``, and writes what each scenario
+raised on this rank to ``DIR/rank<RANK>.json``. A rank that decides other than
+its peer would leave it in a collective: the closing all_reduce (30 s group
+timeout) proves that none did.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.store import LocalStore, StoreUnavailable
+from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot
+
+
+class RankFaultyStore(LocalStore):
+    """Blob puts raise StoreUnavailable while ``failing`` (set on one rank only)."""
+
+    failing = False
+
+    def put(self, key, data, *, if_absent=False):
+        if self.failing and key.startswith("blobs/"):
+            raise StoreUnavailable(f"{self.join(key)}: connection reset (this rank only)")
+        super().put(key, data, if_absent=if_absent)
+
+
+def snap(step: int, *, nan: bool = False):
+    value = float("nan") if nan else float(step)
+    tensors = {"model": {f"w{i}": torch.full((64,), value) for i in range(4)}}
+    return snapshot(step, step, tensors, documents={"trainer": {"step": step}}, config_hash="cfg")
+
+
+def outcome(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def main(rank: int, world: int, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    results = {}
+
+    def saver_on(run: str, store: LocalStore, **kw) -> AsyncSaver:
+        return AsyncSaver(CheckpointWriter(store, run), rank=rank, world_size=world, group=group, part_attempts=1, **kw)
+
+    # 1. The leader's manifest commit fails (another writer holds the step): every rank hears of it.
+    store = LocalStore(os.path.join(root, "store", "conflict"))
+    if rank == 0:
+        CheckpointWriter(store, "conflict").commit(snap(1))
+    dist.barrier()
+    saver = saver_on("conflict", store)
+    results["conflict"] = outcome(lambda: saver.save(snap(1), new_nonce()))
+    saver.close()
+
+    # 2. Only rank 1's uploads fail, twice in a row: both ranks stop at the next submit.
+    store = RankFaultyStore(os.path.join(root, "store", "flaky"))
+    store.failing = rank == 1
+    saver = saver_on("flaky", store, max_failed_saves=2)
+    for step in (1, 2):
+        saver.submit(snap(step), new_nonce())
+        saver.wait()
+    results["flaky"] = outcome(lambda: saver.submit(snap(3), new_nonce()))
+    saver.close()
+
+    # 3. Only rank 1's state holds NaN: nothing is committed, and both ranks stop.
+    saver = saver_on("nan", LocalStore(os.path.join(root, "store", "nan")))
+    results["nan"] = outcome(lambda: saver.save(snap(1, nan=rank == 1), new_nonce()))
+    results["nan_next"] = outcome(lambda: saver.submit(snap(2), new_nonce()))
+    saver.close()
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # both ranks got here: no collective was left unpaired
+    results["paired"] = int(t.item())
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

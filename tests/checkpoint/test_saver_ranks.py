@@ -1,0 +1,35 @@
+"""AsyncSaver across two real gloo ranks: a failure only one rank sees is raised
+on both alike (else one rank would stop while the other waits in a collective)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from elastic_ft.checkpoint.reader import list_manifests
+from elastic_ft.checkpoint.store import LocalStore
+from tests.conftest import REPO, process_env
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "saver_ranks.py")
+
+
+def test_one_ranks_failure_is_every_ranks_failure(tmp_path):
+    env = process_env(PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, SCRIPT, str(r), "2", str(tmp_path)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0 == r1, "the ranks decided differently"
+    assert r0["conflict"].startswith("SaveFailed: checkpoint of step 1 not committed: its manifest: CheckpointConflict")
+    assert r0["flaky"].startswith("SavesFailing: 2 checkpoint saves in a row failed (limit 2, "
+                                  "checkpoint.max_failed_saves); the last: checkpoint of step 2 not committed")
+    assert "part 1/2: StoreUnavailable" in r0["flaky"] and "connection reset (this rank only)" in r0["flaky"]
+    assert r0["nan"].startswith("SavesFailing: checkpoint of step 1 refused") and "part 1/2: non-finite" in r0["nan"]
+    assert "part 0/2" not in r0["nan"]
+    assert r0["nan_next"].startswith("SavesFailing: checkpoint of step 1 refused")
+    assert r0["paired"] == 2
+    assert list_manifests(LocalStore(str(tmp_path / "store" / "nan"))) == []
+    assert list_manifests(LocalStore(str(tmp_path / "store" / "flaky"))) == []
