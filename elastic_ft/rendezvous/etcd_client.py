@@ -271,6 +271,11 @@ class EtcdClient:
                     password=s.password,
                     grpc_options=_GRPC_OPTIONS,
                 )
+                if s.user is not None and s.ca_cert is None:
+                    # gRPC refuses call credentials on a plain channel; the
+                    # token also rides in the metadata python-etcd3 sends with
+                    # every call. Options allow this only with insecure_auth.
+                    self._client.call_credentials = None
             return self._client
 
     def _drop_connection(self, failover: bool) -> None:
