@@ -1,0 +1,138 @@
+"""Riding out an etcd outage: training does not need etcd between membership changes.
+
+While workers are healthy, torch's agent asks the handler for
+``num_nodes_waiting()`` every monitor interval, and a keep-alive thread
+writes this node's heartbeat into the rendezvous state. When etcd is away for
+longer than the client's ``retry_timeout`` both fail; torch lets the first
+kill the agent and its healthy workers. What must hold instead:
+
+* ``num_nodes_waiting()`` reports no change (0) while etcd is unreachable
+  (:class:`~elastic_ft.rendezvous.handler.EtcdRendezvousHandler`), and torch's
+  keep-alive thread already logs its failures and keeps trying.
+* When etcd answers again, every node's last heartbeat is as old as the
+  outage, so torch would count every node dead at the first read and no node
+  would send a heartbeat again (a node only refreshes a heartbeat the state
+  still holds): a node joining later would then start a world of its own.
+  :func:`heartbeat_expiry` keeps nodes that were alive when etcd went away
+  alive for a grace period after it answers, time for each to write a
+  heartbeat again.
+* If etcd lost its data (restarted on an empty data directory), the state key
+  is gone while the job trains: the first node to notice writes back the state
+  it last read (only if the key is still absent), with a new lease, so the
+  nodes' membership and heartbeats come back (:func:`lost_running_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Callable
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    RendezvousSettings,
+    _BackendRendezvousStateHolder,
+    _RendezvousState,
+)
+
+from .etcd_client import Outage
+
+log = logging.getLogger(__name__)
+
+# The most time after etcd answers again (besides the heartbeat expiry) for
+# every live node to write a heartbeat: each node's client may still be in a
+# reconnect backoff (up to 2 s), then waits for its next keep-alive tick and may
+# lose a few compare-and-set races.
+GRACE_AFTER_OUTAGE = timedelta(seconds=30)
+
+
+def heartbeat_expiry(
+    outage: Outage | None, now: float, expiry: timedelta, grace: timedelta = GRACE_AFTER_OUTAGE
+) -> timedelta:
+    """How old a heartbeat may be at ``now`` (wall clock) before its node counts as dead.
+
+    Normally ``expiry`` (torch: keep_alive_interval * keep_alive_max_attempt).
+    For a while after an outage ended, a heartbeat that was fresh when the
+    outage started still counts: nobody could write one in between. "Fresh"
+    gets a slack as long as that while, because the outage's start is only
+    this node's last answer from etcd, and other nodes' last writes before it
+    lag by a heartbeat interval or more on a loaded machine: a node that
+    drops itself never sends a heartbeat again. The while is ``expiry`` plus
+    the outage's length, at most ``grace``, so a short blip delays the
+    detection of a dead node only a little.
+    """
+    if outage is None:
+        return expiry
+    slack_s = min(grace.total_seconds(), outage.seconds)
+    if now >= outage.ended + slack_s + expiry.total_seconds():
+        return expiry
+    return max(expiry, timedelta(seconds=now - outage.started + slack_s) + expiry)
+
+
+def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
+    """Whether the state key vanished under a running job (etcd lost its data).
+
+    True only for a completed, open round with participants: a job that has not
+    formed yet or was closed has nothing to restore.
+    """
+    return (
+        not key_exists
+        and previous.complete
+        and not previous.closed
+        and bool(previous.participants)
+    )
+
+
+class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, with heartbeat expiry and lost-state repair after an outage.
+
+    Args:
+        backend: the rendezvous backend.
+        settings: torch's rendezvous settings.
+        outages: returns the latest etcd outage that has ended (the client's
+            ``last_outage``), or ``None``.
+    """
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        settings: RendezvousSettings,
+        outages: Callable[[], Outage | None],
+    ) -> None:
+        super().__init__(backend, settings)
+        self._outages = outages
+
+    def sync(self) -> bool | None:
+        """See base class; writes back the last state read if etcd lost it."""
+        previous = self._state
+        has_set = super().sync()
+        if self._token is None and lost_running_state(previous, key_exists=False):
+            log.warning(
+                "The rendezvous state of %r is gone from etcd while round %d runs "
+                "(etcd lost its data?); writing back the last state this node read.",
+                self._settings.run_id,
+                previous.round,
+            )
+            self._state = previous
+            self._dirty = True  # with no token: written only if the key is still absent
+            has_set = super().sync()
+        return has_set
+
+    def _sanitize(self) -> None:
+        """See base class; a heartbeat may be as old as the last outage for a while."""
+        settings = self._settings
+        expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        allowed = heartbeat_expiry(self._outages(), time.time(), expiry)
+        if allowed == expiry:
+            super()._sanitize()
+            return
+        # torch's _sanitize reads the expiry from the settings: lend it a longer one.
+        self._settings = replace(
+            settings, keep_alive_interval=allowed / settings.keep_alive_max_attempt
+        )
+        try:
+            super()._sanitize()
+        finally:
+            self._settings = settings
