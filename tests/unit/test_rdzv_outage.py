@@ -31,7 +31,7 @@ def test_a_short_blip_delays_dead_node_detection_only_by_its_length():
     outage = Outage(started=1000.0, ended=1000.5)
     allowed = heartbeat_expiry(outage, now=1000.6, expiry=EXPIRY, grace=GRACE)
     assert allowed.total_seconds() == pytest.approx(4.1)
-    assert heartbeat_expiry(outage, now=1003.5, expiry=EXPIRY, grace=GRACE) == EXPIRY
+    assert heartbeat_expiry(outage, now=1004.0, expiry=EXPIRY, grace=GRACE) == EXPIRY
 
 
 def running_state(**changes) -> _RendezvousState:
