@@ -13,9 +13,8 @@ kill the agent and its healthy workers. What must hold instead:
   outage, so torch would count every node dead at the first read and no node
   would send a heartbeat again (a node only refreshes a heartbeat the state
   still holds): a node joining later would then start a world of its own.
-  :func:`heartbeat_expiry` keeps nodes that were alive when etcd went away
-  alive for a grace period after it answers, time for each to write a
-  heartbeat again.
+  :func:`heartbeats_may_expire` holds off dropping nodes for a while after
+  etcd answers, time for each to write a heartbeat again.
 * If etcd lost its data (restarted on an empty data directory), the state key
   is gone while the job trains: the first node to notice writes back the state
   it last read (only if the key is still absent), with a new lease, so the
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
@@ -42,33 +40,29 @@ from .etcd_client import Outage
 log = logging.getLogger(__name__)
 
 # The most time after etcd answers again (besides the heartbeat expiry) for
-# every live node to write a heartbeat: each node's client may still be in a
-# reconnect backoff (up to 2 s), then waits for its next keep-alive tick and may
-# lose a few compare-and-set races.
+# every live node to write a heartbeat before stale ones count: each node's
+# client may still be in a reconnect backoff (up to 2 s), then waits for its
+# next keep-alive tick and may lose a few compare-and-set races.
 GRACE_AFTER_OUTAGE = timedelta(seconds=30)
 
 
-def heartbeat_expiry(
+def heartbeats_may_expire(
     outage: Outage | None, now: float, expiry: timedelta, grace: timedelta = GRACE_AFTER_OUTAGE
-) -> timedelta:
-    """How old a heartbeat may be at ``now`` (wall clock) before its node counts as dead.
+) -> bool:
+    """Whether a stale heartbeat may mark its node dead at ``now`` (wall clock).
 
-    Normally ``expiry`` (torch: keep_alive_interval * keep_alive_max_attempt).
-    For a while after an outage ended, a heartbeat that was fresh when the
-    outage started still counts: nobody could write one in between. "Fresh"
-    gets a slack as long as that while, because the outage's start is only
-    this node's last answer from etcd, and other nodes' last writes before it
-    lag by a heartbeat interval or more on a loaded machine: a node that
-    drops itself never sends a heartbeat again. The while is ``expiry`` plus
-    the outage's length, at most ``grace``, so a short blip delays the
-    detection of a dead node only a little.
+    Not for a while after an outage ended: nobody could write a heartbeat
+    during it, and the state a node holds may be older still (it was read
+    before the nodes refreshed their heartbeats after an earlier outage, or
+    written back after etcd lost its data). The while is ``expiry`` (torch:
+    keep_alive_interval * keep_alive_max_attempt) plus the outage's length, at
+    most ``grace``: time for every live node to write a heartbeat again, while
+    a short blip delays the detection of a dead node only a little.
     """
     if outage is None:
-        return expiry
-    slack_s = min(grace.total_seconds(), outage.seconds)
-    if now >= outage.ended + slack_s + expiry.total_seconds():
-        return expiry
-    return max(expiry, timedelta(seconds=now - outage.started + slack_s) + expiry)
+        return True
+    quiet_s = min(grace.total_seconds(), outage.seconds) + expiry.total_seconds()
+    return now >= outage.ended + quiet_s
 
 
 def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
@@ -121,18 +115,8 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         return has_set
 
     def _sanitize(self) -> None:
-        """See base class; a heartbeat may be as old as the last outage for a while."""
+        """See base class; no node is dropped for a stale heartbeat right after an outage."""
         settings = self._settings
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
-        allowed = heartbeat_expiry(self._outages(), time.time(), expiry)
-        if allowed == expiry:
-            super()._sanitize()
-            return
-        # torch's _sanitize reads the expiry from the settings: lend it a longer one.
-        self._settings = replace(
-            settings, keep_alive_interval=allowed / settings.keep_alive_max_attempt
-        )
-        try:
-            super()._sanitize()
-        finally:
-            self._settings = settings
+        if heartbeats_may_expire(self._outages(), time.time(), expiry):
+            super()._sanitize()  # torch's _sanitize only drops dead nodes
