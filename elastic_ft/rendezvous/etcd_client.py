@@ -408,10 +408,10 @@ class EtcdClient:
             # warning per call would flood the agent's log every few seconds.
             first = self._logged_failure_since != self._failing_since
             self._logged_failure_since = self._failing_since
+            quiet = " (until it answers, further failures are logged at DEBUG level)."
             log.log(
                 logging.WARNING if first else logging.DEBUG,
-                "etcd %s for %r failed (attempt %d, %s: %s); retrying on %s"
-                + (" (until it answers, further failures are logged at DEBUG level)." if first else "."),
+                "etcd %s for %r failed (attempt %d, %s: %s); retrying on %s" + (quiet if first else "."),
                 what,
                 self._name,
                 state.attempt_number,

@@ -80,7 +80,7 @@ def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
 
 
 class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder, with heartbeat expiry and lost-state repair after an outage.
+    """torch's state holder that drops no node right after an outage and repairs a lost state.
 
     Args:
         backend: the rendezvous backend.
@@ -102,7 +102,8 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         """See base class; writes back the last state read if etcd lost it."""
         previous = self._state
         has_set = super().sync()
-        if self._token is None and lost_running_state(previous, key_exists=False):
+        # No token after a sync: the key was absent (get_state or set_state gave None).
+        if lost_running_state(previous, key_exists=self._token is not None):
             log.warning(
                 "The rendezvous state of %r is gone from etcd while round %d runs "
                 "(etcd lost its data?); writing back the last state this node read.",

@@ -53,7 +53,10 @@ def heartbeat_ages(endpoint: str, run_id: str) -> dict[str, float] | str:
     state = pickle.loads(got[0])
     now = time.time()
     beats = state.last_heartbeats
-    return {str(n): now - beats[n].timestamp() if n in beats else float("inf") for n in state.participants}
+    return {
+        str(node): now - beats[node].timestamp() if node in beats else float("inf")
+        for node in state.participants
+    }
 
 
 class FreshHeartbeats:
@@ -65,7 +68,9 @@ class FreshHeartbeats:
 
     def __call__(self) -> bool:
         self.last = ages = heartbeat_ages(self.endpoint, self.run_id)
-        return isinstance(ages, dict) and len(ages) == self.nodes and max(ages.values()) < self.seconds
+        if not isinstance(ages, dict):
+            return False
+        return len(ages) == self.nodes and max(ages.values()) < self.seconds
 
 
 def test_running_job_outlives_etcd_outages_with_data_kept_then_lost(tmp_path, run_id):
