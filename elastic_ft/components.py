@@ -63,6 +63,24 @@ def parse_nnodes(nnodes: str) -> "tuple[int, int]":
     return lo, hi
 
 
+def check_rdzv_conf(rdzv_conf: str) -> None:
+    """Refuse secrets in ``--rdzv_conf``: it is part of the torchrun command line.
+
+    torchrun splits it on ``,`` and ``=`` (keys stripped), as done here. A
+    ``password=`` item would be readable by every user of the node (``ps``) and
+    stored in the job definition; ``password_env=VAR`` names an environment
+    variable that holds it on each node instead.
+    """
+    for item in rdzv_conf.split(","):
+        key = item.partition("=")[0].strip()
+        if key == "password":
+            raise ValueError(
+                "--rdzv_conf: password= would show the etcd password in the process list and "
+                "the job definition; give password_env=VAR instead, the name of an environment "
+                "variable that holds it on each node (e.g. from the scheduler's secrets)"
+            )
+
+
 @_argument_errors
 def train(
     *overrides: str,
@@ -95,7 +113,7 @@ def train(
         checkpoint_uri: where runs' checkpoints live: file://./runs, file:///abs/dir or s3://bucket/prefix
         rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
         rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
-        rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options)
+        rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options; the password only as password_env=VAR)
         max_restarts: times torchrun restarts failed workers before giving up
         replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
         image: container image (local_cwd: ignored, the current directory is used)
@@ -116,6 +134,8 @@ def train(
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
     if replicas and not 1 <= replicas <= hi:
         raise ValueError(f"--replicas {replicas} must be between 1 and the max of --nnodes ({hi})")
+    if rdzv_conf:
+        check_rdzv_conf(rdzv_conf)
     if rdzv_backend == "etcd3" and not rdzv_endpoint:
         raise ValueError("--rdzv_backend etcd3 needs --rdzv_endpoint HOST:PORT of an etcd v3 server")
     if not rdzv_endpoint:

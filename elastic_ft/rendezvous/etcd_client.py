@@ -21,6 +21,10 @@ exceeded) are retried with a bounded, logged exponential backoff, moving to the
 next endpoint each time (failover between etcd members). A run of failures
 longer than ``retry_timeout`` ends in :class:`EtcdUnavailableError`, whose
 message names every endpoint tried and the attempt count.
+The first failure of an outage is logged as a warning, later retries (of any
+call, any thread) at DEBUG level until etcd answers again, which is logged once
+and kept as :attr:`EtcdClient.last_outage` (the rendezvous uses it to keep
+nodes whose heartbeats the outage held up).
 """
 
 from __future__ import annotations
@@ -61,6 +65,21 @@ class EtcdUnavailableError(EtcdClientError):
 
 class EtcdLeaseError(EtcdClientError):
     """The lease was not found on the server (expired or revoked)."""
+
+
+@dataclass(frozen=True)
+class Outage:
+    """A span of wall-clock time (``time.time()``) in which etcd did not answer this client."""
+
+    started: float
+    """When etcd last answered before the failures began."""
+
+    ended: float
+    """When etcd answered again."""
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
 
 
 def load_etcd3() -> Any:
@@ -241,6 +260,11 @@ class EtcdClient:
         self._client: Any = None
         self._lease_id: int | None = None
         self._lease_refreshed_at = 0.0
+        # Wall-clock times, comparable with the rendezvous heartbeats.
+        self._last_answer_at = time.time()
+        self._failing_since: float | None = None
+        self._last_outage: Outage | None = None
+        self._logged_failure_since: float | None = None
 
     # -- connection management -------------------------------------------------
 
@@ -271,6 +295,11 @@ class EtcdClient:
                     password=s.password,
                     grpc_options=_GRPC_OPTIONS,
                 )
+                if s.user is not None and s.ca_cert is None:
+                    # gRPC refuses call credentials on a plain channel; the
+                    # token also rides in the metadata python-etcd3 sends with
+                    # every call. Options allow this only with insecure_auth.
+                    self._client.call_credentials = None
             return self._client
 
     def _drop_connection(self, failover: bool) -> None:
@@ -302,8 +331,12 @@ class EtcdClient:
         """One try of ``fn(client)``, turning connection faults into reconnects."""
         client = self._connect()
         try:
-            return fn(client)
+            result = fn(client)
         except Exception as exc:
+            if _is_transient(exc) and self._failing_since is None:
+                with self._lock:
+                    if self._failing_since is None:
+                        self._failing_since = self._last_answer_at
             if _is_auth_token_error(exc):
                 # etcd's simple tokens expire (5 min by default) and die with
                 # a restart; a new connection authenticates again.
@@ -312,6 +345,41 @@ class EtcdClient:
             if _is_transient(exc):
                 self._drop_connection(failover=True)
             raise
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
+        """Note that etcd answered; the end of an outage is logged once and kept."""
+        now = time.time()
+        self._last_answer_at = now
+        if self._failing_since is None:
+            return
+        with self._lock:
+            started, self._failing_since = self._failing_since, None
+            if started is None:
+                return
+            self._last_outage = Outage(started, now)
+        log.warning(
+            "etcd answers %r again at %s, %.1f s after its last answer before the failures.",
+            self._name,
+            self.endpoint,
+            now - started,
+        )
+
+    @property
+    def last_outage(self) -> Outage | None:
+        """The latest run of transient failures that etcd has since ended by answering.
+
+        ``None`` while none has happened (or while the first one lasts). Used
+        by the rendezvous to give nodes time to send heartbeats again before
+        it counts them as dead.
+        """
+        return self._last_outage
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the latest call to etcd failed with a transient fault."""
+        return self._failing_since is not None
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run ``fn(client)`` with bounded retries of transient faults."""
@@ -336,8 +404,14 @@ class EtcdClient:
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.warning(
-                "etcd %s for %r failed (attempt %d, %s: %s); retrying on %s.",
+            # While etcd is down every call of every thread retries: one
+            # warning per call would flood the agent's log every few seconds.
+            first = self._logged_failure_since != self._failing_since
+            self._logged_failure_since = self._failing_since
+            quiet = " (until it answers, further failures are logged at DEBUG level)."
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "etcd %s for %r failed (attempt %d, %s: %s); retrying on %s" + (quiet if first else "."),
                 what,
                 self._name,
                 state.attempt_number,

@@ -33,6 +33,7 @@ def etcd3_handler() -> Callable[[Any], Any]:
 # point, this one included, so when this module is imported first torch finds
 # etcd3_handler on the partially initialised module instead of failing.
 from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
 )
@@ -53,10 +54,42 @@ _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore."""
 
+    _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
+
     @property
     def use_agent_store(self) -> bool:
         """Workers must not look for a store on the agent: it lives in etcd."""
         return False
+
+    def num_nodes_waiting(self) -> int:
+        """See base class; 0 (no change) while etcd does not answer.
+
+        torch's agent calls this every monitor interval while the workers are
+        healthy and lets any error kill the agent and its workers; training
+        needs etcd only to change membership, so an outage is logged once and
+        the workers go on. Other errors (permissions, corrupt state) raise.
+        """
+        from .etcd_client import EtcdUnavailableError
+
+        try:
+            waiting = super().num_nodes_waiting()
+        except RendezvousConnectionError as exc:
+            if not isinstance(exc.__cause__, EtcdUnavailableError):
+                raise
+            if not self._etcd_away:
+                log.warning(
+                    "etcd is unreachable; the workers of rendezvous %r go on training and "
+                    "membership changes wait until etcd answers again (%s)",
+                    self._settings.run_id,
+                    exc.__cause__,
+                )
+            self._etcd_away = True
+            return 0
+        if self._etcd_away:
+            log.warning("etcd answers again; rendezvous %r watches membership as before.",
+                        self._settings.run_id)
+            self._etcd_away = False
+        return waiting
 
     def shutdown(self) -> bool:
         """Close the rendezvous (see base class), then the etcd connection.
@@ -85,6 +118,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .backend import EtcdV3RendezvousBackend, connection_error
     from .etcd_client import EtcdClient, EtcdClientError
     from .options import parse_options
+    from .outage import OutageTolerantStateHolder
     from .store import EtcdStore
 
     options = parse_options(params.endpoint, params.config)
@@ -106,7 +140,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         close=options.close_timeout,
         heartbeat=options.heartbeat_timeout,
     )
-    return EtcdRendezvousHandler.from_backend(
+    handler = EtcdRendezvousHandler.from_backend(
         run_id=params.run_id,
         store=store,
         backend=backend,
@@ -117,3 +151,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=options.keep_alive_interval,
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
+    # torch builds its own state holder; ours (same state, same backend) also
+    # rides out etcd outages. The op executor holds it too.
+    holder = OutageTolerantStateHolder(backend, handler._settings, lambda: client.last_outage)
+    handler._state_holder = handler._op_executor._state_holder = holder
+    return handler

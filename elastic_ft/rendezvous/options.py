@@ -10,6 +10,11 @@ Several etcd members can be given either in the endpoint
 (``--rdzv-endpoint=h1:2379,h2:2379``) or in the ``endpoints`` option, separated
 by ``;`` or ``|`` (``--rdzv-conf`` itself is split on commas). The client fails
 over between them in order.
+
+Credentials (``user`` with ``password`` or ``password_env``) need TLS
+(``ca_cert``): etcd's password authentication sends the password, and then a
+token that stands for the user, with every request. Without TLS they are
+refused unless ``insecure_auth=true`` says the network is trusted.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ KNOWN_OPTIONS = (
     "user",
     "password",
     "password_env",
+    "insecure_auth",
     *_TORCH_TIMEOUTS,
     "keep_alive_interval",
     "keep_alive_max_attempt",
@@ -99,6 +105,20 @@ def parse_endpoints(text: str, problems: list[str], option: str) -> list[Endpoin
             continue
         out.append(Endpoint(host, int(port_text)))
     return out
+
+
+def flag(key: str, problems: list[str], conf: Mapping[str, Any]) -> bool:
+    """A boolean option: true/false, yes/no, 1/0 (any case); absent is false."""
+    raw = conf.get(key)
+    if raw is None or raw == "":
+        return False
+    text = str(raw).strip().lower()
+    if text in ("true", "yes", "1"):
+        return True
+    if text in ("false", "no", "0"):
+        return False
+    problems.append(f"{key}: {raw!r} is not a boolean; use true or false.")
+    return False
 
 
 def parse_options(
@@ -185,6 +205,15 @@ def parse_options(
             problems.append(f"password_env: the environment variable {password_env!r} is not set.")
     if (user is None) != (password is None):
         problems.append("user/password: give both the etcd user and its password, or neither.")
+    insecure_auth = flag("insecure_auth", problems, conf)
+    if (user is not None or password is not None) and ca_cert is None and not insecure_auth:
+        # Without TLS, etcd's Authenticate call carries the password in clear
+        # text, and the token it returns lets anyone on the path act as the user.
+        problems.append(
+            "user/password: etcd credentials without TLS would cross the network in clear text; "
+            "give ca_cert (the CA of etcd's server certificate) to turn TLS on, or set "
+            "insecure_auth=true to accept that on a trusted network."
+        )
 
     default = ConnectionSettings(endpoints=())
     connection = ConnectionSettings(

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_ft.rendezvous.handler import create_handler, etcd3_handler
 from elastic_ft.rendezvous.options import parse_options
 
-from etcd_server import ROOT_PASSWORD
+from etcd_server import ROOT_PASSWORD, EtcdServer
 from threads import run_in_threads
 
 
@@ -82,6 +82,29 @@ def test_options_accept_torch_v2_names_and_password_env(tls_files):
     assert options.connection.client_cert == tls_files.client_cert
     assert options.connection.password == "pw"
     assert "pw" not in repr(options)
+
+
+@pytest.mark.parametrize(
+    "credentials",
+    [{"user": "root", "password": "pw"}, {"user": "root", "password_env": "ETCD_TEST_PASSWORD"}],
+)
+def test_credentials_without_tls_are_refused_naming_ca_cert_and_insecure_auth(credentials):
+    with pytest.raises(ValueError) as info:
+        parse_options("127.0.0.1:1", credentials, environ={"ETCD_TEST_PASSWORD": "pw"})
+    message = str(info.value)
+    assert "user/password: etcd credentials without TLS" in message
+    assert "give ca_cert" in message and "insecure_auth=true" in message
+    assert "pw" not in message
+
+
+def test_insecure_auth_accepts_credentials_without_tls_and_must_be_a_boolean():
+    conf = {"user": "root", "password": "pw"}
+    options = parse_options("127.0.0.1:1", {**conf, "insecure_auth": "True"})
+    assert (options.connection.user, options.connection.ca_cert) == ("root", None)
+    with pytest.raises(ValueError, match="insecure_auth: 'maybe' is not a boolean; use true or false"):
+        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "maybe"})
+    with pytest.raises(ValueError, match="insecure_auth=true"):
+        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "false"})
 
 
 def test_no_endpoint_is_an_error():
@@ -218,6 +241,30 @@ def test_tls_and_auth_fail_clearly_with_a_wrong_password(etcd_tls, tls_files, ru
 
 
 def test_tls_server_without_tls_options_fails_naming_endpoint_and_tls(etcd_tls, run_id):
+    conf = dict(user="root", password=ROOT_PASSWORD, insecure_auth="true", retry_timeout="1")
     with pytest.raises(RendezvousConnectionError, match="TLS options") as info:
-        create_handler(params(etcd_tls.endpoint, run_id, user="root", password=ROOT_PASSWORD, retry_timeout="1"))
+        create_handler(params(etcd_tls.endpoint, run_id, **conf))
     assert etcd_tls.endpoint in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def etcd_auth_plain(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
+    """An etcd with auth on and no TLS: the password would travel in clear text."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-auth-plain") / "data").start()
+    try:
+        server.enable_auth(ROOT_PASSWORD)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, run_id):
+    conf = dict(user="root", password=ROOT_PASSWORD)
+    with pytest.raises(ValueError, match="without TLS .* give ca_cert .* insecure_auth=true"):
+        create_handler(params(etcd_auth_plain.endpoint, run_id, **conf))
+    handler = create_handler(params(etcd_auth_plain.endpoint, run_id, insecure_auth="true", **conf))
+    try:
+        handler._store.set("k", "v")
+        assert handler._store.get("k") == b"v"
+    finally:
+        handler._store.client.close()

@@ -121,3 +121,16 @@ def test_run_id_must_be_one_safe_path_component(run_id):
 def test_valid_run_ids_pass_through(run_id):
     cmd = command(train(run_id=run_id))
     assert flag(cmd, "--run_id") == run_id and flag(cmd, "--rdzv_id") == run_id
+
+
+@pytest.mark.parametrize("conf", ["password=s3cret", "join_timeout=600, password =s3cret", "password"])
+def test_password_in_rdzv_conf_is_refused_naming_password_env(conf):
+    with pytest.raises(ValueError, match="--rdzv_conf: password= .* give password_env=VAR") as info:
+        train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", rdzv_conf=conf)
+    assert "s3cret" not in str(info.value)
+
+
+def test_password_env_in_rdzv_conf_is_passed_through():
+    conf = "user=root,password_env=ETCD_PASSWORD,ca_cert=/etc/etcd/ca.pem"
+    cmd = command(train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", rdzv_conf=conf))
+    assert flag(cmd, "--rdzv_conf") == conf
