@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up on a fresh machine: a virtual environment in
 # .venv with elastic_ft and its dependencies, torch held at the provisioned
-# CPU build by constraints.txt. With --test, also the test extras and the
-# Debian etcd server the rendezvous tests start on 127.0.0.1.
+# CPU build by constraints.txt. With --test, also the test extras, and the
+# Debian etcd server and etcdctl (the rendezvous tests start a server on
+# 127.0.0.1 and enable auth on it with etcdctl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -18,12 +19,12 @@ if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" || constraints.txt -nt "$stam
   touch "$stamp"
 fi
 
-if [[ -n "$extras" ]] && ! command -v etcd >/dev/null 2>&1; then
+if [[ -n "$extras" ]] && ! { command -v etcd && command -v etcdctl; } >/dev/null 2>&1; then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null
   else
-    echo "etcd is not installed: run 'sudo apt-get install etcd-server' (Debian) and retry" >&2
+    echo "etcd is not installed: run 'sudo apt-get install etcd-server etcd-client' (Debian) and retry" >&2
     exit 1
   fi
 fi
