@@ -2,13 +2,16 @@
 
 ``ELASTIC_FT_FAULTS="kill:rank=1,step=7,restart=0"`` makes the worker of rank 1
 SIGKILL itself at the start of step 7 in the first attempt only, the way a
-lost machine would end it: no cleanup, no final checkpoint. Several faults
-are separated by ``;``. Unset, this costs one dict lookup per step.
+lost machine would end it: no cleanup, no final checkpoint.
+``fail_load:rank=1`` makes rank 1's read of the checkpoint chosen at resume fail
+with an I/O error (a rank that cannot reach the store). Several faults are
+separated by ``;``. Unset, this costs one dict lookup per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 
@@ -19,7 +22,7 @@ ENV = "ELASTIC_FT_FAULTS"
 class Fault:
     action: str
     rank: int | None
-    step: int
+    step: int | None
     restart: int | None
 
 
@@ -27,16 +30,18 @@ def parse(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
         action, _, rest = item.partition(":")
-        if action != "kill":
-            raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: kill")
+        if action not in ("kill", "fail_load"):
+            raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: kill, fail_load")
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
         unknown = set(fields) - {"rank", "step", "restart"}
-        if unknown or "step" not in fields or len(fields) != len(pairs):
+        if action == "kill" and (unknown or "step" not in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} needs step=N and accepts only rank, step, restart")
+        if action == "fail_load" and (unknown or "step" in fields or len(fields) != len(pairs)):
+            raise ValueError(f"{ENV}: {item!r} accepts only rank and restart")
         try:
             get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
-            faults.append(Fault(action, get("rank"), int(fields["step"]), get("restart")))
+            faults.append(Fault(action, get("rank"), get("step"), get("restart")))
         except ValueError as exc:
             raise ValueError(f"{ENV}: {item!r} has a value that is not an integer") from exc
     return faults
@@ -52,5 +57,11 @@ class Injector:
 
     def maybe_fire(self, *, rank: int, step: int) -> None:
         for f in self.faults:
-            if f.step == step and f.rank in (None, rank) and f.restart in (None, self.restart):
+            if f.action == "kill" and f.step == step and f.rank in (None, rank) and f.restart in (None, self.restart):
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fail_load(self, *, rank: int) -> None:
+        """Raise the I/O error a ``fail_load`` fault asks for on this rank (at the checkpoint read of resume)."""
+        for f in self.faults:
+            if f.action == "fail_load" and f.rank in (None, rank) and f.restart in (None, self.restart):
+                raise OSError(errno.EIO, f"injected checkpoint read failure on rank {rank} ({ENV})")
