@@ -194,7 +194,7 @@ class Trainer:
             decision, loaded = self._choose_checkpoint()
         status, detail, skipped = broadcast_from_leader(self.world, decision)
         if status == "error":
-            raise RunAborted(f"cannot resume run {self.opts.run_id!r}: {detail}")
+            self._abort_resume(f"cannot resume run {self.opts.run_id!r}: {detail}")
         if detail is not None:
             loaded = self._load_on_every_rank(detail, loaded)
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
@@ -250,9 +250,19 @@ class Trainer:
             dist.all_gather_object(errors, error)
         failed = [e for e in errors if e is not None]
         if failed:
-            raise RunAborted(f"cannot resume run {self.opts.run_id!r} from {self.store.join(key)}: {'; '.join(failed)}")
+            self._abort_resume(f"cannot resume run {self.opts.run_id!r} from {self.store.join(key)}: {'; '.join(failed)}")
         assert loaded is not None
         return loaded
+
+    def _abort_resume(self, reason: str) -> None:
+        """Record ``reason`` now, on every rank, then raise :class:`RunAborted` with it.
+
+        Now, not on the way out: once the first rank exits, torchrun stops the
+        others, which may not get to print their error.
+        """
+        self.events.emit("resume_failed", quiet=True, reason=reason)
+        log.error("rank %d: %s", self.world.rank, reason)
+        raise RunAborted(reason)
 
     # ------------------------------------------------------------------ steps
 
