@@ -135,7 +135,9 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
     """
     check_manifest_size(len(data), key=key)
     if json_depth_exceeds(data, MAX_MANIFEST_DEPTH):
-        raise ManifestCorrupt(f"manifest {key!r} nests deeper than {MAX_MANIFEST_DEPTH} levels; it is not a checkpoint manifest")
+        raise ManifestCorrupt(
+            f"manifest {key!r} nests deeper than {MAX_MANIFEST_DEPTH} levels; it is not a checkpoint manifest"
+        )
     try:
         d = json.loads(bytes(data))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -93,7 +93,8 @@ def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: 
     for info in list_manifests(store):
         try:
             m = read_manifest(store, info.key, run_id=run_id, size=info.size)
-        except ManifestCorrupt as exc:  # not a checkpoint (resume retires it): gc keeps the file, and its blobs are orphans
+        except ManifestCorrupt as exc:
+            # Not a checkpoint (resume retires it): gc leaves the file alone; its blobs count as orphans.
             log.warning("gc skips a corrupt manifest: %s", exc)
             continue
         manifests[step_of_key(info.key)] = (info.key, {b.key for b in m.blobs.values()})

@@ -250,7 +250,8 @@ class Trainer:
             dist.all_gather_object(errors, error)
         failed = [e for e in errors if e is not None]
         if failed:
-            self._abort_resume(f"cannot resume run {self.opts.run_id!r} from {self.store.join(key)}: {'; '.join(failed)}")
+            where = self.store.join(key)
+            self._abort_resume(f"cannot resume run {self.opts.run_id!r} from {where}: {'; '.join(failed)}")
         assert loaded is not None
         return loaded
 

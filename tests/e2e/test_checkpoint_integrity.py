@@ -130,6 +130,9 @@ def test_torn_manifest_is_quarantined_and_resume_falls_back(run_copy, capsys):
     assert ls.returncode == 0 and "Traceback" not in ls.stderr, explain(ls)
     assert "CORRUPT" in ls.stdout and "000000000006.json" in ls.stdout and "not valid JSON" in ls.stdout
     assert "000000000004.json" in ls.stdout
+    gc = cli("ckpt", "gc", f"file://{run_copy}/run", "--dry-run")  # gc goes on past it, and says so
+    assert gc.returncode == 0 and "keep checkpoints at steps [2, 4]" in gc.stdout, explain(gc)
+    assert "corrupt manifest" in gc.stderr and "000000000006.json" in gc.stderr and "Traceback" not in gc.stderr
 
     assert train(run_copy, "run", "steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=null") == 0
     plan = resume_plans(run_copy)[-1]
@@ -145,7 +148,8 @@ def test_torn_manifest_is_quarantined_and_resume_falls_back(run_copy, capsys):
 def test_deeply_nested_manifest_is_named_not_a_traceback(run_copy, tmp_path):
     path = manifest_path(run_copy, 6)
     with open(path, "wb") as f:
-        f.write(b'{"format": "elastic_ft.checkpoint/2", "run_id": "run", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+        f.write(b'{"format": "elastic_ft.checkpoint/2", "run_id": "run", "x": ' + b"[" * 200_000 + b"]" * 200_000
+                + b"}")
     uri = f"file://{run_copy}/run"
     ls = cli("ckpt", "ls", uri)
     assert ls.returncode == 0 and "Traceback" not in ls.stderr, explain(ls)
