@@ -82,3 +82,14 @@ def test_need_more_reads_past_corrupt_ones_only():
 def test_unknown_kind_is_a_bug():
     with pytest.raises(ValueError, match="'maybe'"):
         choose([o(1, "maybe")])
+
+
+def test_a_blob_is_proven_absent_only_by_a_listing_that_does_not_show_it(tmp_path):
+    from elastic_ft.checkpoint.reader import confirmed_absent
+    from elastic_ft.checkpoint.store import LocalStore
+
+    store = LocalStore(str(tmp_path / "run"))
+    assert confirmed_absent(store, "blobs/000000000002-x/model.safetensors")[0] is True
+    store.put("blobs/000000000002-x/model.safetensors", b"w")
+    absent, note = confirmed_absent(store, "blobs/000000000002-x/model.safetensors")
+    assert absent is False and "listing shows it" in note
