@@ -33,7 +33,7 @@ from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
-from elastic_ft.train.resume import ResumePlan, incompatible_spec, plan_resume
+from elastic_ft.train.resume import ResumePlan, incompatible_spec, plan_resume, shape_mismatches
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 
 log = logging.getLogger(__name__)
@@ -240,6 +240,11 @@ class Trainer:
             if loaded is None:
                 faults.Injector.from_env().maybe_fail_load(rank=self.world.rank)
                 loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
+            bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
+                                   {n: tuple(p.shape) for n, p in self.trainable.items()})
+            if bad:  # e.g. another base model under model.name_or_path
+                raise ValueError(f"the checkpoint's {len(bad)} trained tensor(s) do not fit this model ({bad[0]}): "
+                                 f"the model changed since; start a new run with another --run_id")
             model_mod.load_trainable_state(self.model, loaded.tensors["model"])
             load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
         except Exception as exc:  # reported to every rank below

@@ -16,9 +16,11 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.reader import Skipped
 from elastic_ft.train.scaling import BatchPlan, rescale_event
 
-_SHAPING = {"model": ("name_or_path", "config"), "lora": ("r", "target_modules")}
+_SHAPING = {"model": ("config",), "lora": ("r", "target_modules")}
 """Spec fields that decide which tensors are trained and their shapes. Everything
-else (lr, steps, batch, data, ...) may change between restarts of a run."""
+else (lr, steps, batch, data, ...) may change between restarts of a run.
+``model.name_or_path`` is not here: the same model may have moved to another
+directory; a different one is caught by :func:`shape_mismatches`."""
 
 
 def _describe(value) -> str:
@@ -56,6 +58,15 @@ def shape_conflicts(saved: dict, current: dict) -> list[str]:
                 a, b = sorted(map(str, a)), sorted(map(str, b))
             _diff(f"{section}.{f}", a, b, out)
     return out
+
+
+def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list[str]:
+    """Trained tensors whose shape in the checkpoint (``saved``: name -> shape) differs from the model's.
+
+    Names present on one side only are left to the loader, which names them.
+    """
+    return [f"{name} is {list(saved[name])} in the checkpoint but {list(current[name])} now"
+            for name in sorted(set(saved) & set(current)) if tuple(saved[name]) != tuple(current[name])]
 
 
 def incompatible_spec(saved: dict | None, current: dict, *, step: int, run_id: str) -> str | None:

@@ -6,7 +6,7 @@ from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.reader import Skipped
 from elastic_ft.config import BatchConfig, CheckpointConfig
 from elastic_ft.train.cadence import checkpoint_due
-from elastic_ft.train.resume import incompatible_spec, plan_resume, shape_conflicts
+from elastic_ft.train.resume import incompatible_spec, plan_resume, shape_conflicts, shape_mismatches
 from elastic_ft.train.scaling import plan_batch
 
 
@@ -132,3 +132,11 @@ def test_model_shape_and_full_fine_tune_are_named():
         f"model.config.hidden_size is {saved['model']['config'].get('hidden_size')!r} in the checkpoint but 4096 now"
     ]
     assert shape_conflicts(saved, _spec_doc(lora=None)) == ["lora: the checkpoint is LoRA, this spec a full fine-tune"]
+
+
+def test_a_moved_model_directory_is_not_a_conflict_but_other_shapes_are_named():
+    assert shape_conflicts(_spec_doc(**{"model.name_or_path": "/a/m"}), _spec_doc(**{"model.name_or_path": "/b/m"})) == []
+    saved = {"l.lora_A.weight": (8, 64), "l.lora_B.weight": (64, 8), "gone": (1,)}
+    now = {"l.lora_A.weight": (8, 128), "l.lora_B.weight": (64, 8), "new": (1,)}
+    assert shape_mismatches(saved, now) == ["l.lora_A.weight is [8, 64] in the checkpoint but [8, 128] now"]
+    assert shape_mismatches(saved, saved) == []
