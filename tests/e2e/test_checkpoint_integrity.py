@@ -187,7 +187,7 @@ def test_unreadable_blob_stops_resume_and_retires_nothing(run_copy, capsys):
     capsys.readouterr()
     assert train(run_copy, "run", "steps=8", "checkpoint.every_steps=2") == 2
     err = one_error_line(capsys.readouterr().err)
-    assert "step 6 could not be read" in err and "nothing was retired" in err and "IsADirectoryError" in err
+    assert "step 6 could not be read" in err and "nothing was retired" in err and "Is a directory" in err
     assert sorted(os.listdir(os.path.join(run_copy, "run", "manifests"))) == before and quarantine(run_copy) == []
     assert len(resume_plans(run_copy)) == plans, "a resume was planned from a checkpoint that could not be read"
 
