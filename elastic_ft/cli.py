@@ -21,6 +21,7 @@ from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
 def _ls(args) -> int:
+    from elastic_ft.checkpoint.manifest import ManifestError, ManifestForeign, step_of_key
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest
     from elastic_ft.checkpoint.store import open_store
 
@@ -31,14 +32,20 @@ def _ls(args) -> int:
         return 0
     print(f"{'step':>8}  {'committed (UTC)':<20} {'size':>12}  {'world':>5}  manifest")
     for info in infos:
-        m = read_manifest(store, info.key)
+        try:
+            m = read_manifest(store, info.key, size=info.size)
+        except ManifestError as exc:  # one broken manifest is a row of the listing, not the end of it
+            kind = "FOREIGN" if isinstance(exc, ManifestForeign) else "CORRUPT"
+            print(f"{step_of_key(info.key):>8}  {kind}: {exc}")
+            continue
         when = datetime.datetime.fromtimestamp(m.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         print(f"{m.step:>8}  {when:<20} {m.total_size:>12,}  {m.world.get('size', '?'):>5}  {info.key}")
     return 0
 
 
 def _verify(args) -> int:
-    from elastic_ft.checkpoint.manifest import manifest_key
+    """Exit 0: verified; 1: proven corrupt (named); 2 (from :func:`main`): could not be read, nothing concluded."""
+    from elastic_ft.checkpoint.manifest import ManifestCorrupt, manifest_key
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest, verify
     from elastic_ft.checkpoint.store import open_store
 
@@ -51,7 +58,11 @@ def _verify(args) -> int:
             print(f"{args.uri}: no committed checkpoints to verify", file=sys.stderr)
             return 1
         key = infos[-1].key
-    manifest = read_manifest(store, key)
+    try:
+        manifest = read_manifest(store, key)
+    except ManifestCorrupt as exc:
+        print(f"checkpoint {store.join(key)} FAILED verification: {exc}", file=sys.stderr)
+        return 1
     problems = verify(store, manifest)
     if problems:
         print(f"checkpoint at step {manifest.step} FAILED verification ({store.join(key)}):", file=sys.stderr)

@@ -11,24 +11,27 @@ Actions:
   as an overflow in the forward pass makes it (so its gradient is NaN too).
 - ``nan_weight``: one trainable tensor on that rank is set to NaN at the start
   of the step, and stays so: every later loss is NaN.
+- ``fail_load``: that rank's read of the checkpoint chosen at resume fails with
+  an I/O error (a rank that cannot reach the store); ``step`` does not apply.
 The trainer asks :meth:`Injector.fires` for the ``nan_*`` actions where they apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 
 ENV = "ELASTIC_FT_FAULTS"
-ACTIONS = ("kill", "nan_loss", "nan_weight")
+ACTIONS = ("kill", "nan_loss", "nan_weight", "fail_load")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
     action: str
     rank: int | None
-    step: int
+    step: int | None
     restart: int | None
 
 
@@ -41,11 +44,13 @@ def parse(text: str) -> list[Fault]:
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
         unknown = set(fields) - {"rank", "step", "restart"}
-        if unknown or "step" not in fields or len(fields) != len(pairs):
+        if action == "kill" and (unknown or "step" not in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} needs step=N and accepts only rank, step, restart")
+        if action == "fail_load" and (unknown or "step" in fields or len(fields) != len(pairs)):
+            raise ValueError(f"{ENV}: {item!r} accepts only rank and restart")
         try:
             get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
-            faults.append(Fault(action, get("rank"), int(fields["step"]), get("restart")))
+            faults.append(Fault(action, get("rank"), get("step"), get("restart")))
         except ValueError as exc:
             raise ValueError(f"{ENV}: {item!r} has a value that is not an integer") from exc
     return faults
@@ -70,3 +75,9 @@ class Injector:
         """Perform the ``kill`` faults due now (the ``nan_*`` ones are applied by the trainer)."""
         if self.faults and self.fires("kill", rank=rank, step=step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fail_load(self, *, rank: int) -> None:
+        """Raise the I/O error a ``fail_load`` fault asks for on this rank (at the checkpoint read of resume)."""
+        for f in self.faults:
+            if f.action == "fail_load" and f.rank in (None, rank) and f.restart in (None, self.restart):
+                raise OSError(errno.EIO, f"injected checkpoint read failure on rank {rank} ({ENV})")

@@ -1,11 +1,14 @@
 """Loading checkpoints: list committed manifests, verify every blob, fall back.
 
 Only manifests count: blobs without one are invisible. The newest manifest
-whose blobs all verify (size and sha256) is loaded; a missing or altered blob
+whose blobs all verify (size and sha256) is loaded. Each checkpoint read ends
+in an outcome (:mod:`elastic_ft.checkpoint.choice` decides from them): a
+corrupt one (altered blob, torn manifest, a blob a listing proves missing)
 makes the load fall back to the previous manifest, and each skip is reported
-with its reason. A foreign manifest (another run, another format version) is
-not skipped silently: it raises, because it means the URI points somewhere
-wrong, and guessing could resume the wrong model.
+with its reason. A foreign manifest (another run, another format version)
+raises, because the URI points somewhere wrong and guessing could resume the
+wrong model; so does a checkpoint the store could not serve
+(:class:`StoreUnavailable`), because nothing is known about it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, BlobRef, Manifest, parse_manifest, step_of_key
-from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore, StoreError
+from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
+from elastic_ft.checkpoint.manifest import (
+    MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
+)
+from elastic_ft.checkpoint.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +39,16 @@ class LoadedCheckpoint:
     documents: dict[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class Skipped:
-    step: int
-    key: str
-    reason: str
+Skipped = Outcome
+"""A checkpoint passed over on the way to the one loaded (a corrupt :class:`Outcome`)."""
+
+
+class BlobNotFound(ObjectNotFound):
+    """A manifest's blob answered "not found"; ``key`` is the blob (a listing decides if it is really gone)."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def list_manifests(store: ObjectStore) -> list[ObjectInfo]:
@@ -46,7 +57,10 @@ def list_manifests(store: ObjectStore) -> list[ObjectInfo]:
     return sorted(found, key=lambda o: step_of_key(o.key))
 
 
-def read_manifest(store: ObjectStore, key: str, *, run_id: str | None = None) -> Manifest:
+def read_manifest(store: ObjectStore, key: str, *, run_id: str | None = None, size: int | None = None) -> Manifest:
+    """Fetch and parse one manifest; ``size`` (from a listing) refuses an oversized one before downloading it."""
+    if size is not None:
+        check_manifest_size(size, key=key)
     return parse_manifest(store.get(key), key=key, expected_run_id=run_id)
 
 
@@ -54,7 +68,51 @@ _IN_FLIGHT = 2
 
 
 def _get_verified(store: ObjectStore, ref: BlobRef) -> bytes | memoryview:
-    return store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size)
+    try:
+        return store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size)
+    except BlobNotFound:
+        raise
+    except ObjectNotFound as exc:
+        raise BlobNotFound(str(exc), key=ref.key) from exc
+
+
+def confirmed_absent(store: ObjectStore, key: str) -> tuple[bool, str]:
+    """Whether a listing that succeeded shows ``key`` absent, with a note for the reason.
+
+    A failed listing proves nothing: (False, why it failed).
+    """
+    try:
+        listed = store.list(key)
+    except (StoreError, OSError) as exc:
+        return False, f"; listing it to confirm failed too: {exc}"
+    if any(o.key == key for o in listed):
+        return False, "; yet a listing shows it, so the store is not answering consistently"
+    return True, "; a listing confirms it is absent"
+
+
+def _outcome_of(store: ObjectStore, step: int, key: str, exc: BaseException) -> Outcome:
+    """Classify ``exc`` (raised reading the checkpoint at ``step``); re-raises what says nothing about the data."""
+    absent, note = False, ""
+    if isinstance(exc, BlobNotFound):
+        absent, note = confirmed_absent(store, exc.key)
+    kind = classify(exc, blob_absent=absent)
+    if kind is None:
+        raise exc
+    text = str(exc) or type(exc).__name__
+    if not isinstance(exc, StoreError) and not isinstance(exc, ValueError):
+        text = f"{type(exc).__name__}: {text}"  # an OSError's class names the fault (IsADirectoryError, ...)
+    return Outcome(step, key, text + note, kind)
+
+
+def probe(store: ObjectStore, info: ObjectInfo, run_id: str | None) -> tuple[Outcome, LoadedCheckpoint | None]:
+    """Read and verify the checkpoint whose manifest ``info`` lists: its outcome, and the checkpoint if ok."""
+    step = step_of_key(info.key)
+    assert step is not None
+    try:
+        loaded = load_blobs(store, read_manifest(store, info.key, run_id=run_id, size=info.size))
+    except Exception as exc:  # classified below; anything that says nothing about the data is re-raised
+        return _outcome_of(store, step, info.key, exc), None
+    return Outcome(step, info.key, "verified", OK), loaded
 
 
 def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
@@ -136,33 +194,47 @@ def tensors_from_safetensors(data: bytes | bytearray | memoryview) -> dict[str, 
 
 
 def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
-    """Re-hash every blob; the list of problems (empty when all verify)."""
+    """Re-hash every blob; the list of problems that prove it corrupt (empty when all verify).
+
+    Raises :class:`StoreUnavailable` naming the blob when one could not be read
+    (no conclusion about it can be drawn).
+    """
     problems = []
     for name, ref in sorted(manifest.blobs.items()):
         try:
             _get_verified(store, ref)
-        except StoreError as exc:
-            problems.append(f"{name}: {exc}")
+        except Exception as exc:
+            outcome = _outcome_of(store, manifest.step, manifest.key, exc)
+            if outcome.kind != CORRUPT:
+                raise StoreUnavailable(f"blob {name!r} of the checkpoint at step {manifest.step} could not be "
+                                       f"read, so it was not verified: {outcome.reason}") from exc
+            problems.append(f"{name}: {outcome.reason}")
     return problems
 
 
-def load_newest(store: ObjectStore, run_id: str, *, max_step: int | None = None) -> tuple[LoadedCheckpoint | None, list[Skipped]]:
-    """The newest committed checkpoint whose blobs verify, and what was skipped on the way.
+def load_newest(store: ObjectStore, run_id: str | None, *, max_step: int | None = None,
+                ) -> tuple[LoadedCheckpoint | None, list[Skipped]]:
+    """The newest committed checkpoint whose blobs verify, and the corrupt ones skipped on the way.
 
-    ``max_step`` restricts the choice (export of a given step). Raises
-    :class:`~elastic_ft.checkpoint.manifest.ManifestError` for a foreign manifest.
+    ``max_step`` restricts the choice (export of a given step). Nothing is
+    retired here (callers decide). Raises :class:`ManifestForeign` for a
+    foreign manifest and :class:`StoreUnavailable` for a checkpoint that could
+    not be read (:func:`elastic_ft.checkpoint.choice.choose`), each naming the
+    step and the object.
     """
-    skipped: list[Skipped] = []
+    outcomes: list[Outcome] = []
+    loaded = None
     for info in reversed(list_manifests(store)):
         step = step_of_key(info.key)
-        assert step is not None
-        if max_step is not None and step > max_step:
+        if max_step is not None and step is not None and step > max_step:
             continue
-        manifest = read_manifest(store, info.key, run_id=run_id)
-        try:
-            return load_blobs(store, manifest), skipped
-        except StoreError as exc:
-            reason = f"checkpoint at step {step} is unusable and was skipped: {exc}"
-            log.warning(reason)
-            skipped.append(Skipped(step, info.key, str(exc)))
-    return None, skipped
+        outcome, loaded = probe(store, info, run_id)
+        outcomes.append(outcome)
+        if outcome.kind == CORRUPT:
+            log.warning("checkpoint at step %d is corrupt and was skipped: %s", step, outcome.reason)
+        if not need_more(outcomes):
+            break
+    choice = choose(outcomes)
+    if choice.stop is not None:
+        raise (ManifestForeign if choice.stop.kind == FOREIGN else StoreUnavailable)(choice.reason)
+    return (loaded if choice.load is not None else None), list(choice.retire)

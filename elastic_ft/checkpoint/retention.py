@@ -10,11 +10,14 @@ then blobs, so a crash half-way leaves only orphans that the next gc collects.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from elastic_ft.bounds import out_of_range
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
 from elastic_ft.config import LIMITS
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +101,16 @@ def plan_gc(
 def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: str | None = None) -> GcPlan:
     """Read the store and plan its gc (reads only)."""
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest
-    from elastic_ft.checkpoint.manifest import step_of_key
+    from elastic_ft.checkpoint.manifest import ManifestCorrupt, step_of_key
 
     manifests = {}
     for info in list_manifests(store):
-        m = read_manifest(store, info.key, run_id=run_id)
+        try:
+            m = read_manifest(store, info.key, run_id=run_id, size=info.size)
+        except ManifestCorrupt as exc:
+            # Not a checkpoint (resume retires it): gc leaves the file alone; its blobs count as orphans.
+            log.warning("gc skips a corrupt manifest: %s", exc)
+            continue
         manifests[step_of_key(info.key)] = (info.key, {b.key for b in m.blobs.values()})
     return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now)
 

@@ -28,7 +28,10 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save as save_safetensors
 
-from elastic_ft.checkpoint.manifest import BLOB_PREFIX, BlobRef, Manifest, manifest_key, parse_manifest
+from elastic_ft.checkpoint.manifest import (
+    BLOB_PREFIX, MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, BlobRef, Manifest, json_depth_exceeds, manifest_key,
+    parse_manifest,
+)
 from elastic_ft.checkpoint.digest import CHUNK_SIZE, blob_sha256
 from elastic_ft.checkpoint.segments import Data, Segments
 from elastic_ft.checkpoint.store import ObjectExists, ObjectStore
@@ -236,11 +239,18 @@ def retire(store: ObjectStore, manifest_key_: str, reason: str) -> str:
     committed again; its old manifest would block that commit (one key per step
     is what makes racing writers conflict). The copy keeps it for inspection,
     with the reason; its blobs become orphans that gc collects after the grace.
+    A manifest that is not valid JSON (torn, too deep) is kept as text instead.
     """
     data = store.get(manifest_key_)
     name = manifest_key_.rsplit("/", 1)[-1]
     target = f"{QUARANTINE_PREFIX}{name.removesuffix('.json')}-{uuid.uuid4().hex[:8]}.json"
-    record = {"retired": time.time(), "reason": reason, "manifest": json.loads(data)}
+    record: dict[str, Any] = {"retired": time.time(), "reason": reason}
+    try:
+        if len(data) > MAX_MANIFEST_BYTES or json_depth_exceeds(data, MAX_MANIFEST_DEPTH):
+            raise ValueError("not parsed: too large or too deep")
+        record["manifest"] = json.loads(bytes(data))
+    except ValueError:
+        record["manifest_text"] = bytes(data[:MAX_MANIFEST_BYTES]).decode("utf-8", "replace")
     store.put(target, json.dumps(record, indent=1).encode(), if_absent=True)
     store.delete(manifest_key_)
     return target

@@ -3,7 +3,9 @@
 Inputs are what the leader found in the store (the newest verified manifest
 and the checkpoints skipped on the way) and the world at hand; the output is
 the step and cursor to continue from, the rescale since the checkpoint, and a
-reason, all logged as one event.
+reason, all logged as one event. Which checkpoint that is was decided before,
+from each checkpoint's outcome (:func:`elastic_ft.checkpoint.choice.choose`);
+:func:`shape_conflicts` tells whether the current spec can load it at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,73 @@ import dataclasses
 from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.reader import Skipped
 from elastic_ft.train.scaling import BatchPlan, rescale_event
+
+_SHAPING = {"model": ("config",), "lora": ("r", "target_modules")}
+"""Spec fields that decide which tensors are trained and their shapes. Everything
+else (lr, steps, batch, data, ...) may change between restarts of a run.
+``model.name_or_path`` is not here: the same model may have moved to another
+directory; a different one is caught by :func:`shape_mismatches`."""
+
+
+def _describe(value) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def _diff(path: str, saved, current, out: list[str]) -> None:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for k in sorted(set(saved) | set(current), key=str):
+            _diff(f"{path}.{k}", saved.get(k), current.get(k), out)
+    elif saved != current:
+        out.append(f"{path} is {_describe(saved)} in the checkpoint but {_describe(current)} now")
+
+
+def shape_conflicts(saved: dict, current: dict) -> list[str]:
+    """The model-shaping spec fields that differ between a checkpoint's recorded spec and the current one.
+
+    ``saved`` and ``current`` are spec documents (``JobSpec.to_dict()``). One
+    entry per field, e.g. "lora.r is 8 in the checkpoint but 16 now"; a nested
+    inline ``model.config`` is compared key by key. ``target_modules`` compare
+    as sets (their order does not matter to PEFT). A LoRA run against a full
+    fine-tune is one entry for ``lora``. Empty when the checkpoint loads.
+    """
+    out: list[str] = []
+    for section, fields in _SHAPING.items():
+        old, new = saved.get(section), current.get(section)
+        if section == "lora" and (old is None) != (new is None):
+            kind = {True: "a full fine-tune", False: "LoRA"}
+            out.append(f"lora: the checkpoint is {kind[old is None]}, this spec {kind[new is None]}")
+            continue
+        old, new = old or {}, new or {}
+        for f in fields:
+            a, b = old.get(f), new.get(f)
+            if f == "target_modules" and isinstance(a, list) and isinstance(b, list):
+                a, b = sorted(map(str, a)), sorted(map(str, b))
+            _diff(f"{section}.{f}", a, b, out)
+    return out
+
+
+def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list[str]:
+    """Trained tensors whose shape in the checkpoint (``saved``: name -> shape) differs from the model's.
+
+    Names present on one side only are left to the loader, which names them.
+    """
+    return [f"{name} is {list(saved[name])} in the checkpoint but {list(current[name])} now"
+            for name in sorted(set(saved) & set(current)) if tuple(saved[name]) != tuple(current[name])]
+
+
+def incompatible_spec(saved: dict | None, current: dict, *, step: int, run_id: str) -> str | None:
+    """One line saying why the checkpoint at ``step`` cannot load under ``current`` and what to do, or None.
+
+    A checkpoint without a recorded spec (``saved`` None) is not judged here.
+    """
+    if not saved:
+        return None
+    conflicts = shape_conflicts(saved, current)
+    if not conflicts:
+        return None
+    return (f"the checkpoint at step {step} of run {run_id!r} was trained with another model shape: "
+            f"{'; '.join(conflicts)}. These fields cannot change within a run: use the checkpoint's values to "
+            f"resume, or start a new run with another --run_id (or checkpoint_uri)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +109,7 @@ def plan_resume(manifest: Manifest | None, skipped: list[Skipped], *, plan: Batc
     if manifest is None:
         why = "no committed checkpoint: starting from step 0"
         if skipped:
-            why = (f"every committed checkpoint failed verification ({len(skipped)} retired to quarantine/): "
+            why = (f"every committed checkpoint is corrupt ({len(skipped)} retired to quarantine/): "
                    f"starting from step 0")
         return ResumePlan(0, 0, None, skipped, None, False, False, why)
     changed = manifest.config_hash != config_hash

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manif
 from elastic_ft.checkpoint.store import LocalStore
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
 from elastic_ft.events import read_events
-from tests.conftest import cli, explain
+from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun, tree_digest
 from tests.e2e.conftest import train
 
 
@@ -95,3 +96,135 @@ def test_truncated_manifest_write_leaves_previous_checkpoint(run_copy):
     assert loaded.manifest.step == 6
     manifest = json.loads(open(os.path.join(run_dir, "000000000006.json")).read())
     assert set(manifest["blobs"]) == {"model", "optimizer", "trainer", "spec"}
+
+
+# --------------------------------------------------------------------------- corrupt, foreign or unreadable
+
+
+def manifest_path(root: str, step: int) -> str:
+    return os.path.join(root, "run", "manifests", f"{step:012d}.json")
+
+
+def quarantine(root: str) -> list[str]:
+    qdir = os.path.join(root, "run", "quarantine")
+    return sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []
+
+
+def resume_plans(root: str) -> list[dict]:
+    return [e for e in read_events(os.path.join(root, "run", "logs", "events.jsonl")) if e["event"] == "resume_plan"]
+
+
+def one_error_line(text: str) -> str:
+    """The one error line the CLI or the worker ends with (log records of the run may precede it)."""
+    lines = [ln for ln in text.splitlines() if re.match(r"elastic[-_]ft: error: ", ln)]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_torn_manifest_is_quarantined_and_resume_falls_back(run_copy, capsys):
+    # A filesystem without atomic rename (or a truncated object) can leave a torn manifest under its real name.
+    path = manifest_path(run_copy, 6)
+    torn = open(path, "rb").read()[:100]
+    with open(path, "wb") as f:
+        f.write(torn)
+    ls = cli("ckpt", "ls", f"file://{run_copy}/run")
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr, explain(ls)
+    assert "CORRUPT" in ls.stdout and "000000000006.json" in ls.stdout and "not valid JSON" in ls.stdout
+    assert "000000000004.json" in ls.stdout
+    gc = cli("ckpt", "gc", f"file://{run_copy}/run", "--dry-run")  # gc goes on past it, and says so
+    assert gc.returncode == 0 and "keep checkpoints at steps [2, 4]" in gc.stdout, explain(gc)
+    assert "corrupt manifest" in gc.stderr and "000000000006.json" in gc.stderr and "Traceback" not in gc.stderr
+
+    assert train(run_copy, "run", "steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=null") == 0
+    plan = resume_plans(run_copy)[-1]
+    assert plan["step"] == 4 and plan["skipped"][0]["step"] == 6 and "not valid JSON" in plan["skipped"][0]["reason"]
+    [retired] = quarantine(run_copy)
+    record = json.load(open(os.path.join(run_copy, "run", "quarantine", retired)))
+    assert retired.startswith("000000000006-") and record["manifest_text"] == torn.decode()
+    assert "not valid JSON" in record["reason"]
+    verify = cli("ckpt", "verify", f"file://{run_copy}/run", "--step", "6")  # step 6 committed anew
+    assert verify.returncode == 0, explain(verify)
+
+
+def test_deeply_nested_manifest_is_named_not_a_traceback(run_copy, tmp_path):
+    path = manifest_path(run_copy, 6)
+    with open(path, "wb") as f:
+        f.write(b'{"format": "elastic_ft.checkpoint/2", "run_id": "run", "x": ' + b"[" * 200_000 + b"]" * 200_000
+                + b"}")
+    uri = f"file://{run_copy}/run"
+    ls = cli("ckpt", "ls", uri)
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr, explain(ls)
+    assert "CORRUPT" in ls.stdout and "000000000006.json" in ls.stdout and "deeper than" in ls.stdout
+    verify = cli("ckpt", "verify", uri)
+    assert verify.returncode == 1 and "Traceback" not in verify.stderr, explain(verify)
+    assert "000000000006.json" in verify.stderr and "deeper than" in verify.stderr
+    # export reads past it (read-only: nothing retired); --step names it in one line.
+    out = cli("export", uri, "--out", str(tmp_path / "out"))
+    assert out.returncode == 0 and "exported step 4" in out.stdout, explain(out)
+    out = cli("export", uri, "--out", str(tmp_path / "out6"), "--step", "6")
+    assert out.returncode == 2 and "000000000006.json" in one_error_line(out.stderr), explain(out)
+    assert "Traceback" not in out.stderr, explain(out)
+    assert quarantine(run_copy) == []
+
+    assert train(run_copy, "run", "steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=null") == 0
+    assert resume_plans(run_copy)[-1]["step"] == 4
+    assert [q[:12] for q in quarantine(run_copy)] == ["000000000006"]
+
+
+def test_unreadable_blob_stops_resume_and_retires_nothing(run_copy, capsys):
+    # A real fault that proves nothing about the checkpoint: its blob cannot be read
+    # (a directory where the file should be; EISDIR stands in for EIO, ENOMEM, ...).
+    blob = newest_blob_path(run_copy, "run", "optimizer")
+    os.unlink(blob)
+    os.mkdir(blob)
+    before = sorted(os.listdir(os.path.join(run_copy, "run", "manifests")))
+    plans = len(resume_plans(run_copy))
+    verify = cli("ckpt", "verify", f"file://{run_copy}/run")
+    assert verify.returncode == 2 and "FAILED" not in verify.stderr, explain(verify)
+    assert "could not be read" in one_error_line(verify.stderr) and "optimizer" in verify.stderr
+    assert "Traceback" not in verify.stderr, explain(verify)
+
+    capsys.readouterr()
+    assert train(run_copy, "run", "steps=8", "checkpoint.every_steps=2") == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert "step 6 could not be read" in err and "nothing was retired" in err and "Is a directory" in err
+    assert sorted(os.listdir(os.path.join(run_copy, "run", "manifests"))) == before and quarantine(run_copy) == []
+    assert len(resume_plans(run_copy)) == plans, "a resume was planned from a checkpoint that could not be read"
+
+
+def test_changed_lora_rank_is_named_before_loading(run_copy, capsys):
+    assert train(run_copy, "run", "steps=8", "lora.r=4") == 2
+    captured = capsys.readouterr().err
+    err = one_error_line(captured)
+    assert "lora.r is 8 in the checkpoint but 4 now" in err and "--run_id" in err and "size mismatch" not in captured
+    assert quarantine(run_copy) == []
+    assert train(run_copy, "run", "steps=8", "lora.target_modules=[q_proj]") == 2
+    assert "lora.target_modules" in one_error_line(capsys.readouterr().err)
+
+
+def test_fields_that_keep_tensor_shapes_still_resume(run_copy):
+    assert train(run_copy, "run", "steps=7", "optimizer.lr=1e-3", "lora.alpha=32") == 0
+    plan = resume_plans(run_copy)[-1]
+    assert plan["step"] == 6 and plan["config_changed"] and plan["skipped"] == []
+
+
+def test_a_rank_that_cannot_load_stops_every_rank_with_the_reason(run_copy):
+    # Rank 1's read of the chosen checkpoint fails (after the leader verified it):
+    # one collective tells every rank, and all stop naming rank 1 and why.
+    before = tree_digest(os.path.join(run_copy, "run", "manifests"))
+    args = ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{run_copy}",
+            "--log_dir", os.path.join(run_copy, "run", "logs"), "steps=8", "checkpoint.every_steps=2"]
+    env = process_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ELASTIC_FT_FAULTS="fail_load:rank=1")
+    proc = torchrun(2, args, env=env, timeout=240)
+    assert proc.returncode != 0, explain(proc)
+    output = (proc.stdout + proc.stderr).splitlines()
+    # Every rank logs the failure as it stops (torchrun may end rank 0 before its final error line).
+    for rank in (0, 1):
+        [line] = [ln for ln in output if f"rank {rank}: cannot resume run 'run'" in ln]
+        assert "000000000006.json" in line and "rank 1: OSError" in line and "injected checkpoint read failure" in line
+    [failed] = [e for e in read_events(os.path.join(run_copy, "run", "logs", "events.jsonl"))
+                if e["event"] == "resume_failed"]  # written by rank 0, the leader, which loaded fine
+    assert "rank 1: OSError" in failed["reason"] and "rank 0" not in failed["reason"]
+    # torchrun prints its own traceback for a failed worker; none comes from the workers' code.
+    assert not re.search(r'File ".*/elastic_ft/', proc.stderr), explain(proc)
+    assert tree_digest(os.path.join(run_copy, "run", "manifests")) == before and quarantine(run_copy) == []

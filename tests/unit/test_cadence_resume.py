@@ -6,7 +6,7 @@ from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.reader import Skipped
 from elastic_ft.config import BatchConfig, CheckpointConfig
 from elastic_ft.train.cadence import checkpoint_due
-from elastic_ft.train.resume import plan_resume
+from elastic_ft.train.resume import incompatible_spec, plan_resume, shape_conflicts, shape_mismatches
 from elastic_ft.train.scaling import plan_batch
 
 
@@ -86,3 +86,57 @@ def test_resume_finished_run():
     assert plan.finished and "already complete" in plan.reason
     # the same checkpoint with the run extended is not finished
     assert not plan_resume(_manifest(100, 3200, p), [], plan=p, config_hash="h1", total_steps=150).finished
+
+
+# --------------------------------------------------------------------------- spec compatibility
+
+
+def _spec_doc(**changes):
+    from elastic_ft.config import load_spec
+    from tests.conftest import DEFAULT_SPEC
+
+    d = load_spec(DEFAULT_SPEC).to_dict()
+    for dotted, value in changes.items():
+        section, _, field = dotted.partition(".")
+        if field:
+            d[section][field] = value
+        else:
+            d[section] = value
+    return d
+
+
+def test_fields_that_do_not_shape_tensors_may_change():
+    saved = _spec_doc()
+    assert shape_conflicts(saved, _spec_doc(**{"optimizer.lr": 1.0, "lora.alpha": 64, "lora.dropout": 0.5})) == []
+    assert shape_conflicts(saved, _spec_doc(steps=10_000)) == []
+    assert incompatible_spec(saved, saved, step=4, run_id="r") is None
+    assert incompatible_spec(None, saved, step=4, run_id="r") is None  # no spec recorded: not judged here
+
+
+def test_lora_rank_and_targets_are_named():
+    saved = _spec_doc(**{"lora.r": 8, "lora.target_modules": ["q_proj", "v_proj"]})
+    assert shape_conflicts(saved, _spec_doc(**{"lora.r": 8, "lora.target_modules": ["v_proj", "q_proj"]})) == []
+    now = _spec_doc(**{"lora.r": 16, "lora.target_modules": ["q_proj"]})
+    assert shape_conflicts(saved, now) == [
+        "lora.r is 8 in the checkpoint but 16 now",
+        "lora.target_modules is ['q_proj', 'v_proj'] in the checkpoint but ['q_proj'] now",
+    ]
+    msg = incompatible_spec(saved, now, step=6, run_id="r1")
+    assert "\n" not in msg and "step 6" in msg and "'r1'" in msg and "lora.r" in msg and "--run_id" in msg
+
+
+def test_model_shape_and_full_fine_tune_are_named():
+    saved = _spec_doc()
+    config = dict(saved["model"]["config"] or {}, hidden_size=4096)
+    assert shape_conflicts(saved, _spec_doc(**{"model.config": config})) == [
+        f"model.config.hidden_size is {saved['model']['config'].get('hidden_size')!r} in the checkpoint but 4096 now"
+    ]
+    assert shape_conflicts(saved, _spec_doc(lora=None)) == ["lora: the checkpoint is LoRA, this spec a full fine-tune"]
+
+
+def test_a_moved_model_directory_is_not_a_conflict_but_other_shapes_are_named():
+    assert shape_conflicts(_spec_doc(**{"model.name_or_path": "/a/m"}), _spec_doc(**{"model.name_or_path": "/b/m"})) == []
+    saved = {"l.lora_A.weight": (8, 64), "l.lora_B.weight": (64, 8), "gone": (1,)}
+    now = {"l.lora_A.weight": (8, 128), "l.lora_B.weight": (64, 8), "new": (1,)}
+    assert shape_mismatches(saved, now) == ["l.lora_A.weight is [8, 64] in the checkpoint but [8, 128] now"]
+    assert shape_mismatches(saved, saved) == []

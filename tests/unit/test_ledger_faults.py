@@ -67,6 +67,16 @@ def test_fault_parse():
     got = faults.parse("kill:rank=1,step=7,restart=0; kill:step=3")
     assert got == [faults.Fault("kill", 1, 7, 0), faults.Fault("kill", None, 3, None)]
     assert faults.parse("") == [] and faults.parse(" ; ") == []
+    assert faults.parse("fail_load:rank=1") == [faults.Fault("fail_load", 1, None, None)]
+
+
+def test_fail_load_raises_on_its_rank_only():
+    injector = faults.Injector(faults.parse("fail_load:rank=1,restart=0"), restart=0)
+    injector.maybe_fail_load(rank=0)
+    injector.maybe_fire(rank=1, step=0)  # not a kill
+    with pytest.raises(OSError, match="rank 1"):
+        injector.maybe_fail_load(rank=1)
+    faults.Injector(faults.parse("fail_load:rank=1,restart=0"), restart=1).maybe_fail_load(rank=1)
 
 
 @pytest.mark.parametrize("text,match", [
@@ -74,6 +84,7 @@ def test_fault_parse():
     ("kill:rank=1", "needs step=N"),
     ("kill:step=1,node=2", "accepts only rank, step, restart"),
     ("kill", "needs step=N"),
+    ("fail_load:rank=1,step=2", "accepts only rank and restart"),
 ])
 def test_fault_parse_errors(text, match):
     with pytest.raises(ValueError, match=match) as info:

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from elastic_ft.checkpoint.manifest import (
-    FORMAT, BlobRef, Manifest, ManifestError, manifest_key, parse_manifest, step_of_key,
+    FORMAT, MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, BlobRef, Manifest, ManifestCorrupt, ManifestError, ManifestForeign,
+    check_manifest_size, json_depth_exceeds, manifest_key, parse_manifest, step_of_key,
 )
 
 KEY = "manifests/000000000020.json"
@@ -114,3 +115,51 @@ def test_malformed_blob_ref():
     d["blobs"]["model"] = {"key": "blobs/x"}
     assert "malformed" in error(d)
     assert "malformed" in error(good(step="twenty"))
+
+
+# --------------------------------------------------------------------------- corrupt or foreign
+
+
+def test_torn_manifest_is_corrupt_not_foreign():
+    torn = json.dumps(good()).encode()[:-40]
+    with pytest.raises(ManifestCorrupt, match="not valid JSON.*torn or truncated") as info:
+        parse_manifest(torn, key=KEY, expected_run_id="run-a")
+    assert repr(KEY) in str(info.value)
+
+
+def test_other_run_and_format_are_foreign():
+    with pytest.raises(ManifestForeign, match="'run-b'"):
+        parse(good(run_id="run-b"))
+    with pytest.raises(ManifestForeign, match="'elastic_ft.checkpoint/3'"):
+        parse(good(format="elastic_ft.checkpoint/3"))
+
+
+def test_malformed_fields_are_corrupt():
+    with pytest.raises(ManifestCorrupt):
+        parse({k: v for k, v in good().items() if k != "cursor"})
+    with pytest.raises(ManifestCorrupt):
+        parse(good(step=21))
+    with pytest.raises(ManifestCorrupt):
+        parse([1, 2])
+
+
+def test_deep_manifest_is_refused_before_parsing_naming_the_file():
+    deep = b'{"format": "elastic_ft.checkpoint/2", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ManifestCorrupt, match=f"{KEY}.*deeper than {MAX_MANIFEST_DEPTH}"):
+        parse_manifest(deep, key=KEY)
+    # Brackets inside strings are text, not nesting.
+    assert parse(good(writer="[" * 100 + '\\"{' * 50)).writer == "[" * 100 + '\\"{' * 50
+
+
+def test_oversized_manifest_is_refused_naming_the_file():
+    with pytest.raises(ManifestCorrupt, match=f"{KEY}.*more than the"):
+        parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1), key=KEY)
+    with pytest.raises(ManifestCorrupt, match=f"{KEY}.*more than the"):
+        check_manifest_size(MAX_MANIFEST_BYTES + 1, key=KEY)
+    check_manifest_size(MAX_MANIFEST_BYTES, key=KEY)
+
+
+def test_json_depth():
+    assert not json_depth_exceeds(b'{"a": [1, {"b": "[[[["}]}', 3)
+    assert json_depth_exceeds(b'{"a": [1, {"b": "[[[["}]}', 2)
+    assert not json_depth_exceeds(b'"\\\\"', 0)
