@@ -248,7 +248,7 @@ class Trainer:
         error = None
         try:
             if loaded is None:
-                faults.Injector.from_env().maybe_fail_load(rank=self.world.rank)
+                self.injector.maybe_fail_load(rank=self.world.rank)
                 loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
             bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
                                    {n: tuple(p.shape) for n, p in self.trainable.items()})
