@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from .etcd_client import EtcdClient, EtcdClientError
+from .etcd_client import EtcdClient, EtcdClientError, KeyValue
+
+
+class WritersLostError(dist.DistStoreError):
+    """A blocking wait ended early: the node that should write the key left the rendezvous."""
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -59,6 +63,7 @@ class EtcdStore(dist.Store):
             raise ValueError(f"The store key prefix {prefix!r} must end with '/'.")
         self._client = client
         self._prefix = prefix
+        self._writer_check: tuple[Callable[[], str | None], float] | None = None
         self.set_timeout(timeout)
 
     @property
@@ -72,6 +77,41 @@ class EtcdStore(dist.Store):
 
     def _key(self, key: str) -> str:
         return self._prefix + key
+
+    def set_writer_check(self, check: Callable[[], str | None], interval: float) -> None:
+        """End blocking waits early when the nodes that should write the keys are gone.
+
+        Every ``interval`` seconds that a wait goes without its key, ``check()``
+        is asked; a reason (not ``None``) ends the wait with
+        :class:`WritersLostError` naming it, unless the key has landed
+        meanwhile. The rendezvous handler installs it: a key of a node that
+        left the rendezvous will never come, and the store's own timeout (300 s)
+        is far too long to notice. ``check`` must not raise.
+        """
+        if interval <= 0:
+            raise ValueError(f"The writer check interval ({interval}) must be positive.")
+        self._writer_check = (check, interval)
+
+    def _wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
+        """The client's wait for ``key`` until ``deadline``, in slices between writer checks."""
+        full = self._key(key)
+        if self._writer_check is None:
+            return self._client.wait_for_key(full, deadline)
+        check, interval = self._writer_check
+        while True:
+            found = self._client.wait_for_key(full, min(deadline, time.monotonic() + interval))
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            reason = check()
+            if reason is None:
+                continue
+            found, _ = self._client.get(full)  # it may have landed while we checked
+            if found is not None:
+                return found
+            raise WritersLostError(
+                f"The etcd store ({self._prefix}) stopped waiting for the key {key!r}: {reason}; "
+                f"its writer will not come back to this round."
+            )
 
     def _run(self, what: str, fn):  # type: ignore[no-untyped-def]
         try:
@@ -182,7 +222,7 @@ class EtcdStore(dist.Store):
         values = []
         for key in keys:
             found = self._run(
-                "wait for a key", lambda: self._client.wait_for_key(self._key(key), deadline)
+                "wait for a key", lambda: self._wait_for_key(key, deadline)
             )
             if found is None:
                 missing = [k for k in keys if not self.check([k])]
