@@ -100,7 +100,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 if time.monotonic() > deadline:
                     raise
                 log.warning(
-                    "Rendezvous %r: %s. Starting a new round without the lost node(s).",
+                    "Rendezvous %r: %s Starting a new round without the lost node(s).",
                     self._settings.run_id,
                     exc,
                 )
