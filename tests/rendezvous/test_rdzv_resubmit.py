@@ -31,17 +31,33 @@ def step_counts(out: Path) -> dict[int, int]:
     return counts
 
 
+def rendezvous_state(endpoint: str, run_id: str):  # type: ignore[no-untyped-def]
+    """A function reading the run's rendezvous state (torch's pickled state) from etcd."""
+    backend = create_handler(RendezvousParameters("etcd3", endpoint, run_id, 1, 2))._state_holder._backend
+
+    def read():  # type: ignore[no-untyped-def]
+        got = backend.get_state()
+        return None if got is None else pickle.loads(got[0])
+
+    return read
+
+
 def test_same_command_after_the_run_completed_finds_it_done(etcd, run_id, tmp_path):
     """Run to completion, then the same command: it forms a rendezvous, the job
     reads its progress (all steps done), runs none again and exits 0."""
     job = dict(nproc=1, nnodes="1", steps=3, max_restarts=0)
+    state = rendezvous_state(etcd.endpoint, run_id)
     first = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="first", **job)
+    agents = [first]
     try:
         assert first.wait(timeout=120) == 0, first.tail()
+        closed = state()
+        assert closed.closed and not closed.participants  # completed: closed, and it left
         again = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="again", **job)
+        agents.append(again)
         code = again.wait(timeout=120)
     finally:
-        stop_leftovers([first])
+        stop_leftovers(agents)
     assert code == 0, again.tail()
     assert "RendezvousClosedError" not in again.tail(20000)
     # The second job started its worker (a second incarnation) and found nothing to do.
@@ -53,27 +69,21 @@ def test_same_command_after_the_job_failed_resumes_it(etcd, run_id, tmp_path):
     """Workers fail past --max-restarts (torchrun then shuts the handler down);
     the same command resumes from the progress the failed job left."""
     job = dict(nproc=1, nnodes="1", steps=5, max_restarts=0, job_args=("--fail-once-at", "3"))
+    state = rendezvous_state(etcd.endpoint, run_id)
     first = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="first", **job)
+    agents = [first]
     try:
         assert first.wait(timeout=120) != 0, first.tail()
         assert step_counts(tmp_path) == {1: 1, 2: 1}
+        left = state()
+        assert not left.closed and not left.participants  # failed: it left, the run stays open
         again = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="again", **job)
+        agents.append(again)
         code = again.wait(timeout=120)
     finally:
-        stop_leftovers([first])
+        stop_leftovers(agents)
     assert code == 0, again.tail()
     assert step_counts(tmp_path) == {step: 1 for step in range(1, 6)}
-
-
-def rendezvous_state(endpoint: str, run_id: str):  # type: ignore[no-untyped-def]
-    """A function reading the run's rendezvous state (torch's pickled state) from etcd."""
-    backend = create_handler(RendezvousParameters("etcd3", endpoint, run_id, 1, 2))._state_holder._backend
-
-    def read():  # type: ignore[no-untyped-def]
-        got = backend.get_state()
-        return None if got is None else pickle.loads(got[0])
-
-    return read
 
 
 def test_node_sigtermed_while_joining_costs_the_survivor_seconds_and_the_run_stays_open(
