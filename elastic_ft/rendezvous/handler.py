@@ -140,9 +140,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 self._state_holder.sync()
                 state = self._state_holder.state
         except RendezvousError as exc:
-            log.warning("Could not read rendezvous %r to check its nodes: %s", self._settings.run_id, exc)
+            log.warning(
+                "Could not read rendezvous %r to check its nodes: %s", self._settings.run_id, exc
+            )
             return None
-        return lost_members(state, joined[0], joined[1], datetime.now(timezone.utc), self._liveness())
+        now = datetime.now(timezone.utc)
+        return lost_members(state, joined[0], joined[1], self._this_node, now, self._liveness())
 
     def _reopen_closed(self, deadline: float) -> None:
         """The join found the rendezvous closed: reopen it for this submission,
@@ -153,7 +156,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             state = self._state_holder.state
             if not state.closed:
                 return  # another node of this submission reopened it
-            decision = on_closed(state, self._this_node, datetime.now(timezone.utc), self._liveness())
+            now = datetime.now(timezone.utc)
+            decision = on_closed(state, self._this_node, now, self._liveness())
             if decision.reopen:
                 reopen(state)
                 self._state_holder.mark_dirty()
@@ -168,7 +172,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     f"have exited, or use another run id."
                 )
             if not announced:
-                log.info("Rendezvous %r: %s; waiting for them.", self._settings.run_id, decision.reason)
+                log.info(
+                    "Rendezvous %r: %s; waiting for them.", self._settings.run_id, decision.reason
+                )
                 announced = True
             time.sleep(1)  # as torch's own polling of the state
 

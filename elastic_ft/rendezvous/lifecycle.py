@@ -124,6 +124,7 @@ def lost_members(
     state: _RendezvousState,
     round_: int,
     members: Collection[Any],
+    node: Any,
     now: datetime,
     liveness: timedelta,
 ) -> str | None:
@@ -133,12 +134,15 @@ def lost_members(
     left the participants (it shut down, or torch dropped it for a stale
     heartbeat) or whose heartbeat is older than ``liveness`` will never write
     its store keys; a round number other than ``round_`` means the other nodes
-    have already moved on to a new round.
+    have already moved on to a new round. ``node``, the one asking, is alive
+    whatever its heartbeat says (a late heartbeat is its own timer's lag).
     """
     if state.round != round_:
         return f"the rendezvous moved on from round {round_} to round {state.round}"
     alive = set(live_nodes(state, now, liveness))
-    gone = sorted(m for m in members if m not in state.participants or m not in alive)
+    gone = sorted(
+        m for m in members if m != node and (m not in state.participants or m not in alive)
+    )
     if gone:
         names = ", ".join(str(m) for m in gone)
         return f"node(s) {names} of round {round_} left or stopped heartbeating"

@@ -23,8 +23,9 @@ from threads import run_in_threads
 
 
 def handler(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, **conf: str):
+    # A node is dead 3 s after its last heartbeat (1 s apart): torch's ratio, 5 s and 15 s.
     conf = {"last_call_timeout": "1", "join_timeout": "30", "keep_alive_interval": "1",
-            "keep_alive_max_attempt": "2", **conf}
+            "keep_alive_max_attempt": "3", **conf}
     return create_handler(RendezvousParameters("etcd3", endpoint, run_id, min_nodes, max_nodes, **conf))
 
 
@@ -77,10 +78,11 @@ def test_a_completed_job_closes_and_a_new_submission_reopens_at_a_fresh_round(et
 
 
 def test_a_closed_rendezvous_whose_job_is_still_exiting_is_not_reopened(etcd, run_id):
-    a, b = handler(etcd.endpoint, run_id, 2, 2), handler(etcd.endpoint, run_id, 2, 2)
+    # b's heartbeat (every 1 s) counts as alive for 5 s: a margin for a busy machine.
+    a, b = (handler(etcd.endpoint, run_id, 2, 2, keep_alive_max_attempt="5") for _ in range(2))
     run_in_threads(lambda i: (a, b)[i].next_rendezvous(), 2)
     a.shutdown()  # b's agent is still in its exit barrier, heartbeating
-    late = handler(etcd.endpoint, run_id, join_timeout="3")
+    late = handler(etcd.endpoint, run_id, join_timeout="3", keep_alive_max_attempt="5")
     with pytest.raises(RendezvousClosedError, match="still exiting.*Submit again once they have exited"):
         late.next_rendezvous()
     b.shutdown()

@@ -84,25 +84,30 @@ def test_reopen_empties_the_state_and_moves_to_a_fresh_round():
 
 def test_members_all_alive_are_not_lost():
     state = state_with(a=1, b=3)
-    assert lost_members(state, 4, {A, B}, NOW, LIVENESS) is None
+    assert lost_members(state, 4, {A, B}, C, NOW, LIVENESS) is None
 
 
 def test_a_member_with_a_stale_heartbeat_is_lost():
     state = state_with(a=1, b=16)
-    reason = lost_members(state, 4, {A, B}, NOW, LIVENESS)
+    reason = lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
     assert reason is not None and str(B) in reason and str(A) not in reason
 
 
 def test_a_member_that_left_is_lost():
     state = state_with(a=1)
-    reason = lost_members(state, 4, {A, B}, NOW, LIVENESS)
+    reason = lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
     assert reason is not None and str(B) in reason
+
+
+def test_the_asking_node_is_never_lost_to_itself():
+    state = state_with(a=30, b=1)
+    assert lost_members(state, 4, {A, B}, A, NOW, LIVENESS) is None
 
 
 def test_a_new_round_means_the_old_one_is_lost():
     state = state_with(a=1, b=1)
     state.round = 5
-    reason = lost_members(state, 4, {A, B}, NOW, LIVENESS)
+    reason = lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
     assert reason is not None and "round 4 to round 5" in reason
 
 
