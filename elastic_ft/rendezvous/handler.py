@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 
@@ -32,15 +35,22 @@ def etcd3_handler() -> Callable[[Any], Any]:
 # torch.distributed.elastic.rendezvous loads every ``torchrun.handlers`` entry
 # point, this one included, so when this module is imported first torch finds
 # etcd3_handler on the partially initialised module instead of failing.
+from torch.distributed import Store  # noqa: E402
 from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
+    RendezvousInfo,
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
+
+from .lifecycle import LeaveOp, close_on_shutdown, lost_members, on_closed, reopen  # noqa: E402
+from .store import WritersLostError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +62,19 @@ _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore."""
+    """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore.
+
+    Unlike c10d's TCPStore, the state in etcd outlives the job, so the handler
+    adds what makes a run id reusable and a lost node survivable (the rules
+    are in :mod:`elastic_ft.rendezvous.lifecycle`): ``shutdown()`` closes only
+    for a job that completed, a new submission reopens a closed rendezvous,
+    and a round whose node is lost before every node has met is started again
+    rather than left waiting on its keys.
+    """
+
+    # The round this node last joined and its participants then: the nodes
+    # whose store keys the agent waits for (see _lost_writers).
+    _joined: tuple[int, frozenset] | None = None
 
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
 
@@ -91,19 +113,149 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._etcd_away = False
         return waiting
 
-    def shutdown(self) -> bool:
-        """Close the rendezvous (see base class), then the etcd connection.
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class. Also reopens a closed rendezvous for a new submission,
+        and starts a new round when a node of the round is lost before all met.
 
-        The connection reopens by itself if the handler is used again; closing
-        it frees the gRPC channel's threads in processes that build many
-        handlers (tests, benchmarks).
+        Raises (besides the base class' errors):
+            RendezvousClosedError: the job that closed the rendezvous still had
+                live nodes when the join timeout passed (the message names them).
         """
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            try:
+                info = super().next_rendezvous()
+                self._meet(info)
+                return info
+            except RendezvousClosedError:
+                self._reopen_closed(deadline)
+            except WritersLostError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning(
+                    "Rendezvous %r: %s Starting a new round without the lost node(s).",
+                    self._settings.run_id,
+                    exc,
+                )
+
+    def _meet(self, info: RendezvousInfo) -> None:
+        """Return from a round only once every participant has reached it.
+
+        A node lost between the round completing and the agents' rank
+        assignment would leave the others waiting in torch's agent for its
+        keys, where a failure ends the agent. Here a lost node raises
+        :class:`WritersLostError` (from the store's writer check), and
+        :meth:`next_rendezvous` starts a new round instead.
+        """
+        info.store.set(f"{_MET_PREFIX}{info.rank}", b"1")
+        info.store.wait([f"{_MET_PREFIX}{rank}" for rank in range(info.world_size)])
+
+    def _get_store(self) -> Store:
+        """See base class; called once a round is complete: remember its members."""
+        state = self._state_holder.state
+        self._joined = (state.round, frozenset(state.participants))
+        return super()._get_store()
+
+    def _liveness(self) -> timedelta:
+        return self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+
+    def _lost_writers(self) -> str | None:
+        """The store's writer check: why this round's nodes cannot all meet, or None.
+
+        An etcd fault answers None (keep waiting): only a rendezvous that was
+        read and shows a node gone may end a wait.
+        """
+        joined = self._joined
+        if joined is None:
+            return None
         try:
-            return super().shutdown()
+            with self._heartbeat_lock:
+                self._state_holder.sync()
+                state = self._state_holder.state
+        except RendezvousError as exc:
+            log.warning(
+                "Could not read rendezvous %r to check its nodes: %s", self._settings.run_id, exc
+            )
+            return None
+        now = datetime.now(timezone.utc)
+        return lost_members(state, joined[0], joined[1], self._this_node, now, self._liveness())
+
+    def _reopen_closed(self, deadline: float) -> None:
+        """The join found the rendezvous closed: reopen it for this submission,
+        wait for the job that closed it to finish exiting, or give up at ``deadline``."""
+        announced = False
+        while True:
+            self._state_holder.sync()
+            state = self._state_holder.state
+            if not state.closed:
+                return  # another node of this submission reopened it
+            now = datetime.now(timezone.utc)
+            decision = on_closed(state, self._this_node, now, self._liveness())
+            if decision.reopen:
+                reopen(state)
+                self._state_holder.mark_dirty()
+                if self._state_holder.sync():
+                    log.info("Rendezvous %r: %s.", self._settings.run_id, decision.reason)
+                    return
+                continue  # another node wrote first: judge its state
+            if time.monotonic() > deadline:
+                raise RendezvousClosedError(
+                    f"The rendezvous {self._settings.run_id!r} is closed: {decision.reason} after "
+                    f"the join timeout ({self._settings.timeout.join}). Submit again once they "
+                    f"have exited, or use another run id."
+                )
+            if not announced:
+                log.info(
+                    "Rendezvous %r: %s; waiting for them.", self._settings.run_id, decision.reason
+                )
+                announced = True
+            time.sleep(1)  # as torch's own polling of the state
+
+    def shutdown(self) -> bool:
+        """Leave the rendezvous; close it only if the job completed.
+
+        torch's launcher calls this after the agent's run whether it succeeded
+        or failed; the exception in flight tells which (see
+        :func:`~elastic_ft.rendezvous.lifecycle.close_on_shutdown`). Either way
+        the node then removes itself, so a new submission need not wait for
+        its heartbeat to go stale. Then the etcd connection is closed; it
+        reopens by itself if the handler is used again, and closing frees the
+        gRPC channel's threads in processes that build many handlers.
+        """
+        close, reason = close_on_shutdown(sys.exc_info()[1])
+        try:
+            if close:
+                done = super().shutdown()  # stops the heartbeats, then closes
+            else:
+                self._stop_heartbeats()
+                log.info("Rendezvous %r: not closing it: %s.", self._settings.run_id, reason)
+                done = True
+            return self._leave() and done
         finally:
             client = getattr(self._store, "client", None)
             if client is not None:
                 client.close()
+
+    def _leave(self) -> bool:
+        """Remove this node from the rendezvous; on failure its heartbeat expires instead."""
+        try:
+            deadline = time.monotonic() + self._settings.timeout.close.total_seconds()
+            self._op_executor.run(LeaveOp(), deadline)
+            return True
+        except RendezvousError as exc:
+            log.warning(
+                "Node %s could not leave rendezvous %r (%s: %s); the others drop it once its "
+                "heartbeat is stale.",
+                self._this_node,
+                self._settings.run_id,
+                type(exc).__name__,
+                exc,
+            )
+            return False
+
+
+# The keys of the meeting that ends each round (under the round's store prefix).
+_MET_PREFIX = "elastic_ft/met/"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -155,4 +307,6 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # rides out etcd outages. The op executor holds it too.
     holder = OutageTolerantStateHolder(backend, handler._settings, lambda: client.last_outage)
     handler._state_holder = handler._op_executor._state_holder = holder
+    # A wait for a lost node's keys ends within a heartbeat of the node going stale.
+    store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)
     return handler

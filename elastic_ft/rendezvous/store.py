@@ -33,7 +33,11 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from .etcd_client import EtcdClient, EtcdClientError
+from .etcd_client import EtcdClient, EtcdClientError, KeyValue
+
+
+class WritersLostError(dist.DistStoreError):
+    """A blocking wait ended early: the node that should write the key left the rendezvous."""
 
 CAS_MAX_ATTEMPTS = 1000
 """Compare-and-swap attempts on one key before giving up. Every lost attempt is
@@ -93,6 +97,7 @@ class EtcdStore(dist.Store):
         self._cas_max_attempts = cas_max_attempts
         # Clones handed to torch's C++ side; see clone().
         self._clones: list[EtcdStore] = []
+        self._writer_check: tuple[Callable[[], str | None], float] | None = None
         self.set_timeout(timeout)
 
     @property
@@ -106,6 +111,41 @@ class EtcdStore(dist.Store):
 
     def _key(self, key: str) -> str:
         return self._prefix + key
+
+    def set_writer_check(self, check: Callable[[], str | None], interval: float) -> None:
+        """End blocking waits early when the nodes that should write the keys are gone.
+
+        Every ``interval`` seconds that a wait goes without its key, ``check()``
+        is asked; a reason (not ``None``) ends the wait with
+        :class:`WritersLostError` naming it, unless the key has landed
+        meanwhile. The rendezvous handler installs it: a key of a node that
+        left the rendezvous will never come, and the store's own timeout (300 s)
+        is far too long to notice. ``check`` must not raise.
+        """
+        if interval <= 0:
+            raise ValueError(f"The writer check interval ({interval}) must be positive.")
+        self._writer_check = (check, interval)
+
+    def _wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
+        """The client's wait for ``key`` until ``deadline``, in slices between writer checks."""
+        full = self._key(key)
+        if self._writer_check is None:
+            return self._client.wait_for_key(full, deadline)
+        check, interval = self._writer_check
+        while True:
+            found = self._client.wait_for_key(full, min(deadline, time.monotonic() + interval))
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            reason = check()
+            if reason is None:
+                continue
+            found, _ = self._client.get(full)  # it may have landed while we checked
+            if found is not None:
+                return found
+            raise WritersLostError(
+                f"The etcd store ({self._prefix}) stopped waiting for the key {key!r}: {reason}; "
+                f"its writer will not come back to this round."
+            )
 
     def _run(self, what: str, fn):  # type: ignore[no-untyped-def]
         try:
@@ -129,6 +169,7 @@ class EtcdStore(dist.Store):
         twin = EtcdStore(
             self._client, self._prefix, self.timeout, cas_max_attempts=self._cas_max_attempts
         )
+        twin._writer_check = self._writer_check
         self._clones.append(twin)
         return twin
 
@@ -281,7 +322,7 @@ class EtcdStore(dist.Store):
         values = []
         for key in keys:
             found = self._run(
-                "wait for a key", lambda: self._client.wait_for_key(self._key(key), deadline)
+                "wait for a key", lambda: self._wait_for_key(key, deadline)
             )
             if found is None:
                 raise self._wait_timeout(keys, timeout)

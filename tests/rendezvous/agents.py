@@ -128,8 +128,10 @@ def torchrun_agent(
     # A 1 s heartbeat lets survivors drop a dead node after 3 s instead of 15 s.
     conf: str = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1",
     name: str = "agent",
+    job_args: tuple[str, ...] = (),
 ) -> Agent:
-    """A plain ``torchrun --rdzv-backend=etcd3`` agent running the gloo test job."""
+    """A plain ``torchrun --rdzv-backend=etcd3`` agent running the gloo test job
+    (``job_args``: more options of gloo_job.py)."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--nnodes", nnodes,
@@ -141,6 +143,7 @@ def torchrun_agent(
         "--max-restarts", str(max_restarts),
         "--monitor-interval", "0.5",
         str(GLOO_JOB), "--out", str(out), "--steps", str(steps), "--step-time", str(step_time),
+        *job_args,
     ]
     return Agent(cmd, out / f"{name}.log")
 

@@ -7,6 +7,10 @@ and the step count in ``<out>/progress`` (write-temp + rename), so workers
 restarted at another world size resume where the old world stopped: enough
 to see a job continue through node loss and growth without the trainer.
 
+``--fail-once-at N`` makes rank 0 exit with an error before step ``N`` the
+first time it gets there (a marker file remembers it), as a job whose workers
+fail for good (with ``--max-restarts 0``); run again, the job resumes.
+
 ``--step-time`` paces steps so a test can act while the job runs; the pause
 is the job's simulated compute, not a test waiting for a condition.
 """
@@ -45,6 +49,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.2)
+    parser.add_argument("--fail-once-at", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -70,6 +75,10 @@ def main() -> None:
     dist.broadcast(start, src=0)
     step = int(start.item())
     while step < args.steps:
+        failed_once = out / "failed-once"
+        if rank == 0 and step + 1 == args.fail_once_at and not failed_once.exists():
+            failed_once.touch()
+            raise SystemExit(f"failing before step {step + 1} (--fail-once-at)")
         time.sleep(args.step_time)
         value = torch.ones(1)
         dist.all_reduce(value)
