@@ -542,39 +542,23 @@ class EtcdClient:
         """Delete every key under ``prefix``; returns how many were deleted."""
         return self._call("delete", lambda c: int(c.delete_prefix(prefix).deleted))
 
+    def _range_prefix(self, c: Any, prefix: str, **flags: bool) -> Any:
+        """One Range request over every key under ``prefix`` (``count_only`` or ``keys_only``)."""
+        etcd3 = self._etcd3
+        req = etcd3.etcdrpc.RangeRequest(
+            key=prefix.encode(), range_end=etcd3.utils.increment_last_byte(prefix.encode()), **flags
+        )
+        return c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+
     def count_prefix(self, prefix: str) -> int:
         """Count the keys under ``prefix`` without reading their values."""
-
-        def op(c: Any) -> int:
-            etcd3 = self._etcd3
-            req = etcd3.etcdrpc.RangeRequest(
-                key=prefix.encode(),
-                range_end=etcd3.utils.increment_last_byte(prefix.encode()),
-                count_only=True,
-            )
-            resp = c.kvstub.Range(
-                req, c.timeout, credentials=c.call_credentials, metadata=c.metadata
-            )
-            return int(resp.count)
-
-        return self._call("count", op)
+        return self._call("count", lambda c: int(self._range_prefix(c, prefix, count_only=True).count))
 
     def keys_under(self, prefix: str) -> list[str]:
         """The keys under ``prefix``, in byte order, without reading their values."""
-
-        def op(c: Any) -> list[str]:
-            etcd3 = self._etcd3
-            req = etcd3.etcdrpc.RangeRequest(
-                key=prefix.encode(),
-                range_end=etcd3.utils.increment_last_byte(prefix.encode()),
-                keys_only=True,
-            )
-            resp = c.kvstub.Range(
-                req, c.timeout, credentials=c.call_credentials, metadata=c.metadata
-            )
-            return [kv.key.decode() for kv in resp.kvs]
-
-        return self._call("list", op)
+        return self._call(
+            "list", lambda c: [kv.key.decode() for kv in self._range_prefix(c, prefix, keys_only=True).kvs]
+        )
 
     def wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
         """Block until ``key`` exists, through an etcd watch; ``None`` at ``deadline``.
