@@ -156,7 +156,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._joined = (state.round, frozenset(state.participants))
         return super()._get_store()
 
-    def _liveness(self) -> timedelta:
+    def _liveness(self) -> timedelta | None:
+        """How old a heartbeat may be for its node to count as alive; None (any
+        age) right after an etcd outage, which held every heartbeat up."""
+        if not self._state_holder.heartbeats_count():
+            return None
         return self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
 
     def _lost_writers(self) -> str | None:

@@ -55,14 +55,19 @@ def close_on_shutdown(propagating: BaseException | None) -> tuple[bool, str]:
 
 
 def live_nodes(
-    state: _RendezvousState, now: datetime, liveness: timedelta, exclude: Any = None
+    state: _RendezvousState, now: datetime, liveness: timedelta | None, exclude: Any = None
 ) -> list[Any]:
     """Nodes whose last heartbeat is younger than ``liveness`` (torch's own rule:
-    ``keep_alive_interval * keep_alive_max_attempt``), except ``exclude``."""
+    ``keep_alive_interval * keep_alive_max_attempt``), except ``exclude``.
+
+    ``liveness`` None: every node with a heartbeat counts as alive, as right
+    after an etcd outage, when nobody could write one (see
+    :func:`~elastic_ft.rendezvous.outage.heartbeats_may_expire`).
+    """
     return sorted(
         node
         for node, beat in state.last_heartbeats.items()
-        if node != exclude and beat >= now - liveness
+        if node != exclude and (liveness is None or beat >= now - liveness)
     )
 
 
@@ -78,7 +83,7 @@ class ClosedDecision:
 
 
 def on_closed(
-    state: _RendezvousState, node: Any, now: datetime, liveness: timedelta
+    state: _RendezvousState, node: Any, now: datetime, liveness: timedelta | None
 ) -> ClosedDecision:
     """A joining ``node`` found ``state`` closed: reopen it, or wait.
 
@@ -126,7 +131,7 @@ def lost_members(
     members: Collection[Any],
     node: Any,
     now: datetime,
-    liveness: timedelta,
+    liveness: timedelta | None,
 ) -> str | None:
     """Why the nodes of round ``round_`` can no longer all meet, or ``None``.
 

@@ -115,9 +115,17 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
             has_set = super().sync()
         return has_set
 
-    def _sanitize(self) -> None:
-        """See base class; no node is dropped for a stale heartbeat right after an outage."""
+    def heartbeats_count(self) -> bool:
+        """Whether a stale heartbeat means a dead node now (not right after an outage).
+
+        Every decision from heartbeats asks this: torch's dropping of dead
+        nodes here, and the handler's lost-node and closed-rendezvous checks.
+        """
         settings = self._settings
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
-        if heartbeats_may_expire(self._outages(), time.time(), expiry):
+        return heartbeats_may_expire(self._outages(), time.time(), expiry)
+
+    def _sanitize(self) -> None:
+        """See base class; no node is dropped for a stale heartbeat right after an outage."""
+        if self.heartbeats_count():
             super()._sanitize()  # torch's _sanitize only drops dead nodes

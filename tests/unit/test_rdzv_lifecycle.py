@@ -124,3 +124,21 @@ def test_leave_removes_the_node_from_whichever_list_holds_it():
     assert _leave_action(state, C) == _Action.REMOVE_FROM_REDUNDANCY_LIST
     assert _leave_action(_RendezvousState(), A) == _Action.FINISH
     assert _leave_action(state, A, deadline=0) == _Action.ERROR_TIMEOUT
+
+
+# Right after an etcd outage nobody could write a heartbeat: the handler passes
+# liveness None, and no decision may count a node dead for its heartbeat's age.
+
+
+def test_right_after_an_outage_a_stale_heartbeat_is_no_lost_member():
+    state = state_with(a=1, b=40)
+    assert lost_members(state, 4, {A, B}, C, NOW, None) is None
+    del state.participants[B]  # a node that left is lost whatever the heartbeats say
+    assert lost_members(state, 4, {A, B}, C, NOW, None) is not None
+
+
+def test_right_after_an_outage_a_closed_rendezvous_with_stale_nodes_is_not_reopened():
+    state = state_with(a=40, b=40)
+    state.closed = True
+    decision = on_closed(state, C, NOW, None)
+    assert not decision.reopen and set(decision.waiting_for) == {A, B}

@@ -45,3 +45,22 @@ def test_lost_state_is_restored_only_for_a_running_open_round():
     assert not lost_running_state(running_state(complete=False), key_exists=False)
     assert not lost_running_state(running_state(participants={}), key_exists=False)
     assert not lost_running_state(_RendezvousState(), key_exists=False)
+
+
+def test_the_state_holder_says_heartbeats_do_not_count_right_after_an_outage():
+    """The one answer the holder's dropping of dead nodes and the handler's checks share."""
+    import time
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings, RendezvousTimeout
+
+    from elastic_ft.rendezvous.outage import OutageTolerantStateHolder
+
+    settings = RendezvousSettings("run", 1, 2, RendezvousTimeout(), timedelta(seconds=5), 3)
+    outage: list = [None]
+    holder = OutageTolerantStateHolder(None, settings, lambda: outage[0])  # type: ignore[arg-type]
+    assert holder.heartbeats_count()
+    now = time.time()
+    outage[0] = Outage(now - 20, now - 1)
+    assert not holder.heartbeats_count()
+    outage[0] = Outage(now - 100, now - 60)
+    assert holder.heartbeats_count()
