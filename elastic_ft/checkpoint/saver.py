@@ -236,12 +236,14 @@ class AsyncSaver:
         once, in the background, at no cost to the training thread.
         """
         where = f"part {self.rank}/{self.world_size}"
-        mine = {group: shards[self.rank] for group, shards in shard_tensors(snap.tensors, self.world_size).items()}
-        bad = nonfinite_tensors(mine)
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            return {}, f"{where}: non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}", True
+        # Nothing may escape: a rank that raised here would skip the gather that
+        # follows, and pair its next save's gather with this one of the others.
         try:
+            mine = {group: shards[self.rank] for group, shards in shard_tensors(snap.tensors, self.world_size).items()}
+            bad = nonfinite_tensors(mine)
+            if bad:
+                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                return {}, f"{where}: non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}", True
             return self._upload(snap, nonce), None, False
         except Exception as exc:  # reported after the parts are gathered, the same on every rank
             return {}, f"{where}: {type(exc).__name__}: {exc}", False

@@ -82,6 +82,23 @@ def main(rank: int, world: int, root: str) -> None:
     results["nan_next"] = outcome(lambda: saver.submit(snap(2), new_nonce()))
     saver.close()
 
+    # 4. Only rank 1's check of its shard raises (as a MemoryError would): it still
+    # joins the gather, both ranks fail the save alike, and the next save commits.
+    import elastic_ft.checkpoint.saver as saver_mod
+
+    check = saver_mod.nonfinite_tensors
+
+    def failing_check(tensors):
+        raise MemoryError("no memory for the check (this rank only)")
+
+    saver_mod.nonfinite_tensors = failing_check if rank == 1 else check
+    store = LocalStore(os.path.join(root, "store", "check"))
+    saver = saver_on("check", store)
+    results["check"] = outcome(lambda: saver.save(snap(1), new_nonce()))
+    saver_mod.nonfinite_tensors = check
+    results["check_next"] = outcome(lambda: saver.save(snap(2), new_nonce()))
+    saver.close()
+
     t = torch.ones(1)
     dist.all_reduce(t)  # both ranks got here: no collective was left unpaired
     results["paired"] = int(t.item())

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from elastic_ft.checkpoint.manifest import step_of_key
 from elastic_ft.checkpoint.reader import list_manifests
 from elastic_ft.checkpoint.store import LocalStore
 from tests.conftest import REPO, process_env
@@ -30,6 +31,10 @@ def test_one_ranks_failure_is_every_ranks_failure(tmp_path):
     assert r0["nan"].startswith("SavesFailing: checkpoint of step 1 refused") and "part 1/2: non-finite" in r0["nan"]
     assert "part 0/2" not in r0["nan"]
     assert r0["nan_next"].startswith("SavesFailing: checkpoint of step 1 refused")
+    assert r0["check"].startswith("SaveFailed: checkpoint of step 1 not committed")
+    assert "part 1/2: MemoryError: no memory for the check" in r0["check"]
+    assert r0["check_next"] == "ok"
+    assert [step_of_key(m.key) for m in list_manifests(LocalStore(str(tmp_path / "store" / "check")))] == [2]
     assert r0["paired"] == 2
     assert list_manifests(LocalStore(str(tmp_path / "store" / "nan"))) == []
     assert list_manifests(LocalStore(str(tmp_path / "store" / "flaky"))) == []
