@@ -239,18 +239,24 @@ def retire(store: ObjectStore, manifest_key_: str, reason: str) -> str:
     committed again; its old manifest would block that commit (one key per step
     is what makes racing writers conflict). The copy keeps it for inspection,
     with the reason; its blobs become orphans that gc collects after the grace.
-    A manifest that is not valid JSON (torn, too deep) is kept as text instead.
+    A manifest that is not valid JSON (torn, too deep) is kept as text instead;
+    one over the size cap is not even read (it could be any size): only its
+    size is kept.
     """
-    data = store.get(manifest_key_)
     name = manifest_key_.rsplit("/", 1)[-1]
     target = f"{QUARANTINE_PREFIX}{name.removesuffix('.json')}-{uuid.uuid4().hex[:8]}.json"
     record: dict[str, Any] = {"retired": time.time(), "reason": reason}
-    try:
-        if len(data) > MAX_MANIFEST_BYTES or json_depth_exceeds(data, MAX_MANIFEST_DEPTH):
-            raise ValueError("not parsed: too large or too deep")
-        record["manifest"] = json.loads(bytes(data))
-    except ValueError:
-        record["manifest_text"] = bytes(data[:MAX_MANIFEST_BYTES]).decode("utf-8", "replace")
+    listed = [o.size for o in store.list(manifest_key_) if o.key == manifest_key_]
+    if listed and listed[0] > MAX_MANIFEST_BYTES:
+        record["manifest_size"] = listed[0]
+    else:
+        data = store.get(manifest_key_)
+        try:
+            if len(data) > MAX_MANIFEST_BYTES or json_depth_exceeds(data, MAX_MANIFEST_DEPTH):
+                raise ValueError("not parsed: too large or too deep")
+            record["manifest"] = json.loads(bytes(data))
+        except ValueError:
+            record["manifest_text"] = bytes(data[:MAX_MANIFEST_BYTES]).decode("utf-8", "replace")
     store.put(target, json.dumps(record, indent=1).encode(), if_absent=True)
     store.delete(manifest_key_)
     return target

@@ -163,3 +163,29 @@ def test_json_depth():
     assert not json_depth_exceeds(b'{"a": [1, {"b": "[[[["}]}', 3)
     assert json_depth_exceeds(b'{"a": [1, {"b": "[[[["}]}', 2)
     assert not json_depth_exceeds(b'"\\\\"', 0)
+
+
+def test_retiring_an_oversized_manifest_does_not_read_it(tmp_path):
+    """Its size could be anything (a 50 GB object under manifests/): only the size is kept."""
+    from elastic_ft.checkpoint.manifest import MAX_MANIFEST_BYTES
+    from elastic_ft.checkpoint.store import LocalStore
+    from elastic_ft.checkpoint.writer import retire
+
+    class Reads(LocalStore):
+        read: list[str] = []
+
+        def get(self, key):
+            self.read.append(key)
+            return super().get(key)
+
+    store = Reads(str(tmp_path))
+    key = manifest_key(7)
+    path = tmp_path / key
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)  # sparse: no disk
+    target = retire(store, key, "manifest too large")
+    assert store.read == []
+    record = json.loads(LocalStore(str(tmp_path)).get(target))
+    assert record["manifest_size"] == MAX_MANIFEST_BYTES + 1 and record["reason"] == "manifest too large"
+    assert not path.exists()
