@@ -44,7 +44,7 @@ def parse(text: str) -> list[Fault]:
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
         unknown = set(fields) - {"rank", "step", "restart"}
-        if action == "kill" and (unknown or "step" not in fields or len(fields) != len(pairs)):
+        if action != "fail_load" and (unknown or "step" not in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} needs step=N and accepts only rank, step, restart")
         if action == "fail_load" and (unknown or "step" in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} accepts only rank and restart")

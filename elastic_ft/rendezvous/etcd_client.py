@@ -376,10 +376,6 @@ class EtcdClient:
         """
         return self._last_outage
 
-    @property
-    def unreachable(self) -> bool:
-        """Whether the latest call to etcd failed with a transient fault."""
-        return self._failing_since is not None
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run ``fn(client)`` with bounded retries of transient faults."""

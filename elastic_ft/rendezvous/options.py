@@ -19,6 +19,7 @@ refused unless ``insecure_auth=true`` says the network is trusted.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from .etcd_client import ConnectionSettings, Endpoint
+
+# The largest number any option takes (seconds or a count): 115 days.
+_MAX_NUMBER = 10_000_000
 
 DEFAULT_PORT = 2379
 
@@ -158,12 +162,17 @@ def parse_options(
             return default
         try:
             value = kind(raw)
-        except (TypeError, ValueError):
-            problems.append(f"{key}: {raw!r} is not a valid {kind.__name__}.")
+        except (TypeError, ValueError, OverflowError):
+            problems.append(f"{key}: {str(raw)[:40]!r} is not a valid {kind.__name__}.")
             return default
         if (strict and value <= minimum) or (not strict and value < minimum):
             bound = "greater than" if strict else "at least"
             problems.append(f"{key}: {raw!r} must be {bound} {minimum:g}.")
+            return default
+        # Every option is seconds or a count: nan, inf or a huge value would make
+        # an unbounded wait (or overflow timedelta with a traceback).
+        if not math.isfinite(value) or value > _MAX_NUMBER:
+            problems.append(f"{key}: {str(raw)[:40]!r} must be a finite number at most {_MAX_NUMBER:g}.")
             return default
         return value
 

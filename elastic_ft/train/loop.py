@@ -210,7 +210,7 @@ class Trainer:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
             self.last_ckpt_step = self.step
         plan = plan_resume(
-            loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self.spec.hash(),
+            loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
             total_steps=self.total_steps,
         )
         self.events.emit("resume_plan", **plan.event())
@@ -458,7 +458,7 @@ class Trainer:
             "start", world=w.size, pid=os.getpid(), host=socket.gethostname(), total_steps=self.total_steps,
             dataset_size=len(self.data),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
-            config_hash=self.spec.hash(), batch_plan=self.plan.to_dict(),
+            config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
         )
         self.resume()
         self._start_step, self._t_start = self.step, time.monotonic()

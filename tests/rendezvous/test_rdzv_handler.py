@@ -51,6 +51,9 @@ def test_options_validation_names_every_bad_option(tmp_path):
                 "user": "root",
                 "key_prefix": "relative",
                 "lease_tll": "10",
+                "retry_timeout": "inf",
+                "keep_alive_interval": "9" * 30,
+                "close_timeout": "nan",
             },
         )
     message = str(info.value)
@@ -63,6 +66,9 @@ def test_options_validation_names_every_bad_option(tmp_path):
         "user/password: give both",
         "key_prefix: 'relative'",
         "lease_tll: unknown option",
+        "retry_timeout: 'inf' must be a finite number",
+        "keep_alive_interval: '999999999999999999999999999999' must be a finite number at most",
+        "close_timeout: 'nan' is not a valid int",
     ):
         assert fragment in message
 

@@ -41,6 +41,13 @@ def test_nan_faults_parse_and_fire_by_rank_and_step():
     assert not faults.Injector(inj.faults, restart=1).fires("nan_weight", rank=0, step=6)
 
 
+@pytest.mark.parametrize("text", ["nan_loss:rank=1", "nan_weight:step=2,steps=3", "nan_loss:step=2,oops"])
+def test_nan_faults_without_a_step_or_with_unknown_fields_are_refused(text):
+    """Such a fault would never fire: a drill that silently tests nothing."""
+    with pytest.raises(ValueError, match="needs step=N"):
+        faults.parse(text)
+
+
 def test_nan_faults_do_not_kill(monkeypatch):
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: pytest.fail("a nan fault killed the process"))
     faults.Injector(faults.parse("nan_loss:step=1;nan_weight:step=1"), restart=0).maybe_fire(rank=0, step=1)
