@@ -186,3 +186,15 @@ def wait_for(
             tails = "\n".join(f"--- agent {a.pid}\n{a.tail(2000)}" for a in agents)
             raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
         time.sleep(poll)
+
+
+def rendezvous_state_of(backend):  # type: ignore[no-untyped-def]
+    """The rendezvous state a backend holds in the test's own etcd, or None.
+
+    The state is torch's own pickled ``_RendezvousState`` (torch's handler
+    unpickles it the same way); tests read it only from the etcd they started.
+    """
+    import pickle
+
+    got = backend.get_state()
+    return None if got is None else pickle.loads(got[0])

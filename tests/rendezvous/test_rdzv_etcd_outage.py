@@ -11,14 +11,13 @@ itself, after etcd lost its data), and every step runs exactly once.
 
 from __future__ import annotations
 
-import pickle
 import shutil
 import time
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from agents import read_jsonl, stop_leftovers, torchrun_agent, wait_for
+from agents import read_jsonl, rendezvous_state_of, stop_leftovers, torchrun_agent, wait_for
 from etcd_server import EtcdServer
 from test_rdzv_multinode import assert_ran_every_step
 
@@ -42,15 +41,14 @@ def heartbeat_ages(endpoint: str, run_id: str) -> dict[str, float] | str:
         handler = create_handler(
             RendezvousParameters("etcd3", endpoint, run_id, 1, 2, retry_timeout="2")
         )
-        got = handler._state_holder._backend.get_state()
+        state = rendezvous_state_of(handler._state_holder._backend)
     except RendezvousConnectionError as exc:
         return f"etcd did not answer: {exc}"
     finally:
         if handler is not None:
             handler._store.client.close()  # not shutdown(): that would close the rendezvous
-    if got is None:
+    if state is None:
         return "no rendezvous state in etcd"
-    state = pickle.loads(got[0])
     now = time.time()
     beats = state.last_heartbeats
     return {

@@ -7,7 +7,6 @@ The same with torchrun agents is in test_rdzv_resubmit.py.
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +18,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from elastic_ft.rendezvous.handler import create_handler
 
+from agents import rendezvous_state_of
 from threads import run_in_threads
 
 
@@ -31,9 +31,9 @@ def handler(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, 
 
 def state_of(h):  # type: ignore[no-untyped-def]
     """The rendezvous state in etcd now (torch's own pickled state)."""
-    got = h._state_holder._backend.get_state()
-    assert got is not None
-    return pickle.loads(got[0])
+    state = rendezvous_state_of(h._state_holder._backend)
+    assert state is not None
+    return state
 
 
 def fail_like_torchrun(h) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,6 @@ the rendezvous.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from agents import read_jsonl, stop_leftovers, torchrun_agent, wait_for
+from agents import read_jsonl, rendezvous_state_of, stop_leftovers, torchrun_agent, wait_for
 from elastic_ft.rendezvous.handler import create_handler
 
 pytestmark = pytest.mark.slow
@@ -35,11 +34,7 @@ def rendezvous_state(endpoint: str, run_id: str):  # type: ignore[no-untyped-def
     """A function reading the run's rendezvous state (torch's pickled state) from etcd."""
     backend = create_handler(RendezvousParameters("etcd3", endpoint, run_id, 1, 2))._state_holder._backend
 
-    def read():  # type: ignore[no-untyped-def]
-        got = backend.get_state()
-        return None if got is None else pickle.loads(got[0])
-
-    return read
+    return lambda: rendezvous_state_of(backend)
 
 
 def test_same_command_after_the_run_completed_finds_it_done(etcd, run_id, tmp_path):
