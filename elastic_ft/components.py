@@ -10,7 +10,7 @@ and leave between the min and max node counts.
 import functools
 import re
 import shlex
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torchx
 import torchx.specs as specs
@@ -124,9 +124,67 @@ def train(
         env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
         log_dir: directory of events.jsonl (default: the spec's logging.dir, runs/RUN_ID/logs)
     """
+    lo, hi = _check_arguments(
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        max_restarts=max_restarts,
+        replicas=replicas,
+    )
+    cmd = _torchrun_args(
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint or _default_endpoint(hi),
+        rdzv_id=run_id or f"{macros.app_id}",
+        rdzv_conf=rdzv_conf,
+        nnodes=f"{lo}:{hi}" if lo != hi else str(lo),
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+    )
+    cmd += _worker_args(
+        overrides, spec=spec, checkpoint_uri=checkpoint_uri, run_id=run_id, log_dir=log_dir
+    )
+    return specs.AppDef(
+        name=f"elastic-ft-{run_id}" if run_id else "elastic-ft",
+        roles=[
+            specs.Role(
+                name="trainer",
+                image=image,
+                entrypoint="bash",
+                args=["-c", _bash_line(cmd)],
+                num_replicas=replicas or hi,
+                min_replicas=lo,
+                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
+                env=_job_env(env),
+                port_map={"c10d": 29500},
+                max_retries=max_restarts,
+            )
+        ],
+    )
+
+
+def _check_arguments(
+    *,
+    nnodes: str,
+    nproc_per_node: int,
+    run_id: Optional[str],
+    rdzv_backend: str,
+    rdzv_endpoint: Optional[str],
+    rdzv_conf: Optional[str],
+    max_restarts: int,
+    replicas: int,
+) -> Tuple[int, int]:
+    """The (min, max) node counts of ``nnodes``.
+
+    Raises:
+        ValueError: naming the first bad argument of :func:`train`.
+    """
     lo, hi = parse_nnodes(nnodes)
     if run_id is not None:
-        # One path component under checkpoint_uri, in torchx's log path and etcd's keys: '../x' escaped all three.
+        # One path component under checkpoint_uri, in torchx's log path and etcd's keys:
+        # '../x' escaped all three.
         check_name(run_id, "--run_id")
     if nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
@@ -138,9 +196,62 @@ def train(
         check_rdzv_conf(rdzv_conf)
     if rdzv_backend == "etcd3" and not rdzv_endpoint:
         raise ValueError("--rdzv_backend etcd3 needs --rdzv_endpoint HOST:PORT of an etcd v3 server")
-    if not rdzv_endpoint:
-        # One node: any free port. Several: the scheduler's rank-0 host, as torchx's dist.ddp does.
-        rdzv_endpoint = "localhost:0" if hi == 1 else f"${{{macros.rank0_env}:=localhost}}:29500"
+    return lo, hi
+
+
+def _default_endpoint(max_nodes: int) -> str:
+    """The c10d endpoint when none is given.
+
+    One node: any free port. Several: the scheduler's rank-0 host, as torchx's
+    dist.ddp does (a ``$`` variable, which :func:`_torchrun_args` leaves for bash to expand).
+    """
+    return "localhost:0" if max_nodes == 1 else f"${{{macros.rank0_env}:=localhost}}:29500"
+
+
+def _torchrun_args(
+    *,
+    rdzv_backend: str,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    rdzv_conf: Optional[str],
+    nnodes: str,
+    nproc_per_node: int,
+    max_restarts: int,
+) -> List[str]:
+    """``torchrun`` and its own options, up to (not including) the module it runs."""
+    cmd = [
+        "torchrun",
+        "--rdzv_backend", rdzv_backend,
+        "--rdzv_endpoint", _Raw(rdzv_endpoint) if "$" in rdzv_endpoint else rdzv_endpoint,
+        "--rdzv_id", rdzv_id,
+        "--nnodes", nnodes,
+        "--nproc_per_node", str(nproc_per_node),
+        "--max_restarts", str(max_restarts),
+    ]
+    if rdzv_conf:
+        cmd += ["--rdzv_conf", rdzv_conf]
+    return cmd
+
+
+def _worker_args(
+    overrides: Sequence[str],
+    *,
+    spec: str,
+    checkpoint_uri: str,
+    run_id: Optional[str],
+    log_dir: Optional[str],
+) -> List[str]:
+    """``-m elastic_ft.worker`` and its arguments, the job spec overrides last."""
+    cmd = ["-m", "elastic_ft.worker", "--spec", spec, "--checkpoint_uri", checkpoint_uri]
+    if run_id:
+        cmd += ["--run_id", run_id]
+    if log_dir:
+        cmd += ["--log_dir", log_dir]
+    return cmd + list(overrides)
+
+
+def _job_env(env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The environment of every node: ours, then the user's ``env`` over it."""
     job_env = {
         # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
         # unless the agent's store is not shared with the rendezvous.
@@ -149,41 +260,12 @@ def train(
         "LOGLEVEL": "WARNING",
     }
     job_env.update(env or {})
+    return job_env
 
-    cmd = [
-        "torchrun",
-        "--rdzv_backend", rdzv_backend,
-        "--rdzv_endpoint", _Raw(rdzv_endpoint) if "$" in rdzv_endpoint else rdzv_endpoint,
-        "--rdzv_id", run_id or f"{macros.app_id}",
-        "--nnodes", f"{lo}:{hi}" if lo != hi else str(lo),
-        "--nproc_per_node", str(nproc_per_node),
-        "--max_restarts", str(max_restarts),
-    ]
-    if rdzv_conf:
-        cmd += ["--rdzv_conf", rdzv_conf]
-    cmd += ["-m", "elastic_ft.worker", "--spec", spec, "--checkpoint_uri", checkpoint_uri]
-    if run_id:
-        cmd += ["--run_id", run_id]
-    if log_dir:
-        cmd += ["--log_dir", log_dir]
-    cmd += list(overrides)
-    return specs.AppDef(
-        name=f"elastic-ft-{run_id}" if run_id else "elastic-ft",
-        roles=[
-            specs.Role(
-                name="trainer",
-                image=image,
-                entrypoint="bash",
-                args=["-c", " ".join(a if isinstance(a, _Raw) else shlex.quote(a) for a in cmd)],
-                num_replicas=replicas or hi,
-                min_replicas=lo,
-                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
-                env=job_env,
-                port_map={"c10d": 29500},
-                max_retries=max_restarts,
-            )
-        ],
-    )
+
+def _bash_line(cmd: Sequence[str]) -> str:
+    """``cmd`` as one ``bash -c`` line: each argument quoted, except :class:`_Raw` ones."""
+    return " ".join(a if isinstance(a, _Raw) else shlex.quote(a) for a in cmd)
 
 
 class _Raw(str):

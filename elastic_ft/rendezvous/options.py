@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -125,128 +125,193 @@ def flag(key: str, problems: list[str], conf: Mapping[str, Any]) -> bool:
     return False
 
 
-def parse_options(
-    endpoint: str | None, config: Mapping[str, Any], environ: Mapping[str, str] | None = None
-) -> EtcdRendezvousOptions:
-    """Build :class:`EtcdRendezvousOptions` from torchrun's endpoint and ``--rdzv-conf``.
+@dataclass
+class _Conf:
+    """The ``--rdzv-conf`` pairs (aliases resolved) and every problem found in them so far.
 
-    Raises:
-        ValueError: listing every bad or unknown option with its value.
+    Each reader returns a usable default when the option is bad and appends
+    one line naming the option to ``problems``, so that :func:`parse_options`
+    reports all mistakes at once.
     """
-    environ = os.environ if environ is None else environ
-    problems: list[str] = []
-    conf = {}
-    for key, value in config.items():
-        conf[_ALIASES.get(key, key)] = value
 
-    unknown = sorted(k for k in conf if k not in KNOWN_OPTIONS and k not in _IGNORED)
-    for key in unknown:
-        problems.append(
-            f"{key}: unknown option of the etcd3 rendezvous backend; known options are "
-            f"{', '.join(KNOWN_OPTIONS)}."
-        )
+    conf: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
 
-    endpoints = parse_endpoints(endpoint or "", problems, "rdzv_endpoint")
-    if conf.get("endpoints"):
-        endpoints += parse_endpoints(str(conf["endpoints"]), problems, "endpoints")
-    endpoints = list(dict.fromkeys(endpoints))
-    if not endpoints and not any(p.startswith(("rdzv_endpoint", "endpoints")) for p in problems):
-        problems.append(
-            "rdzv_endpoint: no etcd endpoint given; pass --rdzv-endpoint=HOST:PORT "
-            "(or the endpoints option)."
-        )
+    def number(
+        self, key: str, kind: type, default: Any, minimum: float = 0, strict: bool = True
+    ) -> Any:
+        """An int or float option above ``minimum`` (or at least it, if not ``strict``).
 
-    def number(key: str, kind: type, default: Any, minimum: float = 0, strict: bool = True) -> Any:
-        raw = conf.get(key)
+        Absent or empty: ``default``. Bad (not a number, out of range, nan, inf
+        or over ``_MAX_NUMBER``): a problem, and ``default``.
+        """
+        raw = self.conf.get(key)
         if raw is None or raw == "":
             return default
         try:
             value = kind(raw)
         except (TypeError, ValueError, OverflowError):
-            problems.append(f"{key}: {str(raw)[:40]!r} is not a valid {kind.__name__}.")
+            self.problems.append(f"{key}: {str(raw)[:40]!r} is not a valid {kind.__name__}.")
             return default
         if (strict and value <= minimum) or (not strict and value < minimum):
             bound = "greater than" if strict else "at least"
-            problems.append(f"{key}: {raw!r} must be {bound} {minimum:g}.")
+            self.problems.append(f"{key}: {raw!r} must be {bound} {minimum:g}.")
             return default
         # Every option is seconds or a count: nan, inf or a huge value would make
         # an unbounded wait (or overflow timedelta with a traceback).
         if not math.isfinite(value) or value > _MAX_NUMBER:
-            problems.append(f"{key}: {str(raw)[:40]!r} must be a finite number at most {_MAX_NUMBER:g}.")
+            self.problems.append(
+                f"{key}: {str(raw)[:40]!r} must be a finite number at most {_MAX_NUMBER:g}."
+            )
             return default
         return value
 
-    def timeout(key: str) -> timedelta | None:
-        value = number(key, int, None)
+    def timeout(self, key: str) -> timedelta | None:
+        """Whole seconds as a timedelta; absent (or bad): None, torch's default."""
+        value = self.number(key, int, None)
         return None if value is None else timedelta(seconds=value)
 
-    def path(key: str) -> str | None:
-        raw = conf.get(key)
+    def path(self, key: str) -> str | None:
+        """A file that must exist on this node; absent: None."""
+        raw = self.conf.get(key)
         if raw is None:
             return None
         if not os.path.isfile(raw):
-            problems.append(f"{key}: the file {raw!r} does not exist.")
+            self.problems.append(f"{key}: the file {raw!r} does not exist.")
         return str(raw)
 
-    key_prefix = str(conf.get("key_prefix", "/elastic_ft/rendezvous")).rstrip("/")
-    if not key_prefix.startswith("/") or "//" in key_prefix:
-        problems.append(
-            f"key_prefix: {conf.get('key_prefix')!r} must be an absolute key path like "
-            f"/elastic_ft/rendezvous."
+    def flag(self, key: str) -> bool:
+        """See :func:`flag`."""
+        return flag(key, self.problems, self.conf)
+
+
+def _check_known(c: _Conf) -> None:
+    """One problem per option that neither we nor torch's dynamic rendezvous read."""
+    for key in sorted(k for k in c.conf if k not in KNOWN_OPTIONS and k not in _IGNORED):
+        c.problems.append(
+            f"{key}: unknown option of the etcd3 rendezvous backend; known options are "
+            f"{', '.join(KNOWN_OPTIONS)}."
         )
 
-    ca_cert = path("ca_cert")
-    client_cert = path("client_cert")
-    client_key = path("client_key")
+
+def _endpoints(endpoint: str | None, c: _Conf) -> tuple[Endpoint, ...]:
+    """The endpoint's members, then the ``endpoints`` option's, without repeats, in order."""
+    endpoints = parse_endpoints(endpoint or "", c.problems, "rdzv_endpoint")
+    if c.conf.get("endpoints"):
+        endpoints += parse_endpoints(str(c.conf["endpoints"]), c.problems, "endpoints")
+    endpoints = list(dict.fromkeys(endpoints))
+    # "None given" only when nothing was given: a bad item already has its own line.
+    if not endpoints and not any(p.startswith(("rdzv_endpoint", "endpoints")) for p in c.problems):
+        c.problems.append(
+            "rdzv_endpoint: no etcd endpoint given; pass --rdzv-endpoint=HOST:PORT "
+            "(or the endpoints option)."
+        )
+    return tuple(endpoints)
+
+
+def _key_prefix(c: _Conf) -> str:
+    """The ``key_prefix`` option without its trailing ``/``: absolute, with no empty part."""
+    key_prefix = str(c.conf.get("key_prefix", "/elastic_ft/rendezvous")).rstrip("/")
+    if not key_prefix.startswith("/") or "//" in key_prefix:
+        c.problems.append(
+            f"key_prefix: {c.conf.get('key_prefix')!r} must be an absolute key path like "
+            f"/elastic_ft/rendezvous."
+        )
+    return key_prefix
+
+
+def _tls(c: _Conf) -> tuple[str | None, str | None, str | None]:
+    """``(ca_cert, client_cert, client_key)``: the client pair goes together and needs the CA."""
+    ca_cert = c.path("ca_cert")
+    client_cert = c.path("client_cert")
+    client_key = c.path("client_key")
     if (client_cert is None) != (client_key is None):
-        problems.append(
+        c.problems.append(
             "client_cert/client_key: give both the client certificate and its key, or neither."
         )
     if client_cert is not None and ca_cert is None:
-        problems.append("ca_cert: a client certificate needs ca_cert too (TLS is off without it).")
+        c.problems.append(
+            "ca_cert: a client certificate needs ca_cert too (TLS is off without it)."
+        )
+    return ca_cert, client_cert, client_key
 
-    user = conf.get("user")
-    password = conf.get("password")
-    password_env = conf.get("password_env")
+
+def _credentials(
+    c: _Conf, environ: Mapping[str, str], tls: bool
+) -> tuple[Any, Any]:
+    """``(user, password)``, the password from ``password`` or the variable ``password_env`` names.
+
+    Credentials without TLS are a problem unless ``insecure_auth`` is true.
+    """
+    user = c.conf.get("user")
+    password = c.conf.get("password")
+    password_env = c.conf.get("password_env")
     if password is None and password_env:
         password = environ.get(str(password_env))
         if password is None:
-            problems.append(f"password_env: the environment variable {password_env!r} is not set.")
+            c.problems.append(
+                f"password_env: the environment variable {password_env!r} is not set."
+            )
     if (user is None) != (password is None):
-        problems.append("user/password: give both the etcd user and its password, or neither.")
-    insecure_auth = flag("insecure_auth", problems, conf)
-    if (user is not None or password is not None) and ca_cert is None and not insecure_auth:
+        c.problems.append("user/password: give both the etcd user and its password, or neither.")
+    insecure_auth = c.flag("insecure_auth")
+    if (user is not None or password is not None) and not tls and not insecure_auth:
         # Without TLS, etcd's Authenticate call carries the password in clear
         # text, and the token it returns lets anyone on the path act as the user.
-        problems.append(
+        c.problems.append(
             "user/password: etcd credentials without TLS would cross the network in clear text; "
             "give ca_cert (the CA of etcd's server certificate) to turn TLS on, or set "
             "insecure_auth=true to accept that on a trusted network."
         )
+    return user, password
 
+
+def _torch_settings(c: _Conf) -> dict[str, Any]:
+    """The options torch's dynamic rendezvous reads: its timeouts and keep-alive."""
+    return dict(
+        join_timeout=c.timeout("join_timeout"),
+        last_call_timeout=c.timeout("last_call_timeout"),
+        close_timeout=c.timeout("close_timeout"),
+        heartbeat_timeout=c.timeout("heartbeat_timeout"),
+        keep_alive_interval=c.number("keep_alive_interval", int, 5),
+        keep_alive_max_attempt=c.number("keep_alive_max_attempt", int, 3),
+    )
+
+
+def parse_options(
+    endpoint: str | None, config: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> EtcdRendezvousOptions:
+    """Build :class:`EtcdRendezvousOptions` from torchrun's endpoint and ``--rdzv-conf``.
+
+    ``environ`` (default: ``os.environ``) is where ``password_env`` is looked up.
+
+    Raises:
+        ValueError: listing every bad or unknown option with its value.
+    """
+    environ = os.environ if environ is None else environ
+    c = _Conf({_ALIASES.get(key, key): value for key, value in config.items()})
+    # The readers run in this order so that problems are listed as before:
+    # unknown options, endpoints, key prefix, TLS, credentials, numbers.
+    _check_known(c)
+    endpoints = _endpoints(endpoint, c)
+    key_prefix = _key_prefix(c)
+    ca_cert, client_cert, client_key = _tls(c)
+    user, password = _credentials(c, environ, tls=ca_cert is not None)
     default = ConnectionSettings(endpoints=())
     connection = ConnectionSettings(
-        endpoints=tuple(endpoints),
-        lease_ttl=number("lease_ttl", int, default.lease_ttl),
-        request_timeout=number("request_timeout", float, default.request_timeout),
-        retry_timeout=number("retry_timeout", float, default.retry_timeout),
+        endpoints=endpoints,
+        lease_ttl=c.number("lease_ttl", int, default.lease_ttl),
+        request_timeout=c.number("request_timeout", float, default.request_timeout),
+        retry_timeout=c.number("retry_timeout", float, default.retry_timeout),
         ca_cert=ca_cert,
         client_cert=client_cert,
         client_key=client_key,
         user=user,
         password=password,
     )
-    options = dict(
-        key_prefix=key_prefix,
-        join_timeout=timeout("join_timeout"),
-        last_call_timeout=timeout("last_call_timeout"),
-        close_timeout=timeout("close_timeout"),
-        heartbeat_timeout=timeout("heartbeat_timeout"),
-        keep_alive_interval=number("keep_alive_interval", int, 5),
-        keep_alive_max_attempt=number("keep_alive_max_attempt", int, 3),
-    )
-    if problems:
+    torch_settings = _torch_settings(c)
+    if c.problems:
         raise ValueError(
-            "The etcd3 rendezvous options are invalid:\n  - " + "\n  - ".join(problems)
+            "The etcd3 rendezvous options are invalid:\n  - " + "\n  - ".join(c.problems)
         )
-    return EtcdRendezvousOptions(connection=connection, **options)
+    return EtcdRendezvousOptions(connection=connection, key_prefix=key_prefix, **torch_settings)
