@@ -21,9 +21,9 @@ import logging
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
+from elastic_ft.checkpoint.codec import tensors_from_safetensors
 from elastic_ft.checkpoint.manifest import (
     MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
 )
@@ -140,7 +140,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 data = fetch.result()
                 group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
                 if ref.key.endswith(".safetensors"):
-                    tensors.setdefault(group, {}).update(tensors_from_safetensors(data))
+                    tensors.setdefault(group, {}).update(tensors_from_safetensors(data, key=ref.key))
                 else:
                     documents[group] = json.loads(bytes(data))
                 del data
@@ -150,47 +150,6 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 f.cancel()
             raise
     return LoadedCheckpoint(manifest, tensors, documents)
-
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def tensors_from_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob.
-
-    A writable buffer (a ``bytearray``, or the ``memoryview`` the S3 store
-    returns for a large download) is not copied again: each tensor is a view of
-    it (``torch.frombuffer``), so a loaded checkpoint needs its size in memory
-    once, not twice. Anything else, or a layout this does not handle (another
-    dtype, an unaligned offset), goes through ``safetensors``, which copies.
-    """
-    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
-    if not writable or len(data) < 8:
-        return load_safetensors(bytes(data))
-    head_len = int.from_bytes(data[:8], "little")
-    try:
-        header = json.loads(bytes(data[8 : 8 + head_len]))
-    except ValueError:
-        return load_safetensors(bytes(data))
-    base = 8 + head_len
-    out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        start, end = info["data_offsets"]
-        if dtype is None or (base + start) % dtype.itemsize or end > len(data) - base:
-            return load_safetensors(bytes(data))
-        count = (end - start) // dtype.itemsize
-        if count == 0:
-            out[name] = torch.empty(info["shape"], dtype=dtype)
-        else:
-            out[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=base + start).view(info["shape"])
-    return out
 
 
 def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
