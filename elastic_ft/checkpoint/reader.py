@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
-from elastic_ft.checkpoint.codec import tensors_from_safetensors
+from elastic_ft.checkpoint.codec import decode_header, tensors_from_safetensors
 from elastic_ft.checkpoint.manifest import (
     MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
 )
@@ -153,7 +153,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
 
 
 def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
-    """Re-hash every blob; the list of problems that prove it corrupt (empty when all verify).
+    """Re-hash every blob and check each safetensors header; the problems that prove it corrupt (empty: all verify).
 
     Raises :class:`StoreUnavailable` naming the blob when one could not be read
     (no conclusion about it can be drawn).
@@ -161,7 +161,9 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
     problems = []
     for name, ref in sorted(manifest.blobs.items()):
         try:
-            _get_verified(store, ref)
+            data = _get_verified(store, ref)
+            if ref.key.endswith(".safetensors"):
+                decode_header(data, key=ref.key)  # a digest proves only that these are the bytes written
         except Exception as exc:
             outcome = _outcome_of(store, manifest.step, manifest.key, exc)
             if outcome.kind != CORRUPT:
