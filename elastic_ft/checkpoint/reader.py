@@ -3,7 +3,8 @@
 Only manifests count: blobs without one are invisible. The newest manifest
 whose blobs all verify (size and sha256) is loaded. Each checkpoint read ends
 in an outcome (:mod:`elastic_ft.checkpoint.choice` decides from them): a
-corrupt one (altered blob, torn manifest, a blob a listing proves missing)
+corrupt one (altered blob, a safetensors header that does not describe its
+data, torn manifest, a blob a listing proves missing)
 makes the load fall back to the previous manifest, and each skip is reported
 with its reason. A foreign manifest (another run, another format version)
 raises, because the URI points somewhere wrong and guessing could resume the
