@@ -3,7 +3,8 @@
 Only manifests count: blobs without one are invisible. The newest manifest
 whose blobs all verify (size and sha256) is loaded. Each checkpoint read ends
 in an outcome (:mod:`elastic_ft.checkpoint.choice` decides from them): a
-corrupt one (altered blob, torn manifest, a blob a listing proves missing)
+corrupt one (altered blob, a safetensors header that does not describe its
+data, torn manifest, a blob a listing proves missing)
 makes the load fall back to the previous manifest, and each skip is reported
 with its reason. A foreign manifest (another run, another format version)
 raises, because the URI points somewhere wrong and guessing could resume the
@@ -21,9 +22,9 @@ import logging
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
+from elastic_ft.checkpoint.codec import decode_header, tensors_from_safetensors
 from elastic_ft.checkpoint.manifest import (
     MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
 )
@@ -140,7 +141,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 data = fetch.result()
                 group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
                 if ref.key.endswith(".safetensors"):
-                    tensors.setdefault(group, {}).update(tensors_from_safetensors(data))
+                    tensors.setdefault(group, {}).update(tensors_from_safetensors(data, key=ref.key))
                 else:
                     documents[group] = json.loads(bytes(data))
                 del data
@@ -152,49 +153,8 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     return LoadedCheckpoint(manifest, tensors, documents)
 
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def tensors_from_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob.
-
-    A writable buffer (a ``bytearray``, or the ``memoryview`` the S3 store
-    returns for a large download) is not copied again: each tensor is a view of
-    it (``torch.frombuffer``), so a loaded checkpoint needs its size in memory
-    once, not twice. Anything else, or a layout this does not handle (another
-    dtype, an unaligned offset), goes through ``safetensors``, which copies.
-    """
-    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
-    if not writable or len(data) < 8:
-        return load_safetensors(bytes(data))
-    head_len = int.from_bytes(data[:8], "little")
-    try:
-        header = json.loads(bytes(data[8 : 8 + head_len]))
-    except ValueError:
-        return load_safetensors(bytes(data))
-    base = 8 + head_len
-    out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        start, end = info["data_offsets"]
-        if dtype is None or (base + start) % dtype.itemsize or end > len(data) - base:
-            return load_safetensors(bytes(data))
-        count = (end - start) // dtype.itemsize
-        if count == 0:
-            out[name] = torch.empty(info["shape"], dtype=dtype)
-        else:
-            out[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=base + start).view(info["shape"])
-    return out
-
-
 def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
-    """Re-hash every blob; the list of problems that prove it corrupt (empty when all verify).
+    """Re-hash every blob and check each safetensors header; the problems that prove it corrupt (empty: all verify).
 
     Raises :class:`StoreUnavailable` naming the blob when one could not be read
     (no conclusion about it can be drawn).
@@ -202,7 +162,9 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
     problems = []
     for name, ref in sorted(manifest.blobs.items()):
         try:
-            _get_verified(store, ref)
+            data = _get_verified(store, ref)
+            if ref.key.endswith(".safetensors"):
+                decode_header(data, key=ref.key)  # a digest proves only that these are the bytes written
         except Exception as exc:
             outcome = _outcome_of(store, manifest.step, manifest.key, exc)
             if outcome.kind != CORRUPT:

@@ -26,14 +26,14 @@ import uuid
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save as save_safetensors
 
+from elastic_ft.checkpoint.codec import safetensors_segments
 from elastic_ft.checkpoint.manifest import (
     BLOB_PREFIX, MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, BlobRef, Manifest, json_depth_exceeds, manifest_key,
     parse_manifest,
 )
 from elastic_ft.checkpoint.digest import CHUNK_SIZE, blob_sha256
-from elastic_ft.checkpoint.segments import Data, Segments
+from elastic_ft.checkpoint.segments import Data
 from elastic_ft.checkpoint.store import ObjectExists, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -189,40 +189,6 @@ class CheckpointWriter:
 
 
 _HASH_IN_THREAD_BYTES = 1 << 20
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def safetensors_segments(tensors: dict[str, torch.Tensor]) -> Segments:
-    """``tensors`` in the safetensors format, as a header plus each tensor's own memory.
-
-    The standard format (8-byte header length, JSON header padded to 8 bytes,
-    then the data; ``safetensors.torch.load`` reads it), without copying the
-    data: the store writes or uploads straight from the tensors (a snapshot's
-    private copies), so a commit costs no serialising pass over the state.
-    Dtypes outside the table, and tensors not on the CPU, go through ``safetensors``.
-    """
-    if any(t.dtype not in _SAFETENSORS_DTYPES or t.device.type != "cpu" for t in tensors.values()):
-        return Segments([save_safetensors(tensors)])
-    header: dict[str, Any] = {}
-    data = []
-    offset = 0
-    # Widest dtype first (as safetensors orders them): every tensor's data then
-    # starts at a multiple of its element size, so a reader can view it in place.
-    for name in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
-        t = tensors[name].detach().contiguous()
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        if n:
-            data.append(t.reshape(-1).view(torch.uint8).numpy())  # a view: keeps the tensor alive
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return Segments([len(head).to_bytes(8, "little") + head, *data])
 
 
 def _json_bytes(doc: Any) -> bytes:

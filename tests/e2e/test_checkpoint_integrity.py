@@ -56,6 +56,50 @@ def test_blobs_without_manifest_are_invisible(tmp_path):
     assert loaded.tensors["model"]["w"].tolist() == [1.0, 1.0, 1.0]
 
 
+class WritableLocalStore(LocalStore):
+    """Returns blobs as a writable memoryview, as the S3 store does for a large download (the zero-copy read path)."""
+
+    def get_verified(self, key, **kwargs):
+        return memoryview(bytearray(super().get_verified(key, **kwargs)))
+
+
+@pytest.mark.parametrize("store_class", [LocalStore, WritableLocalStore], ids=["bytes", "writable"])
+def test_blob_with_corrupt_header_but_matching_digest_is_corrupt_and_skipped(tmp_path, monkeypatch, store_class):
+    # A writer bug: the header's shape does not match the data. The manifest's digest is
+    # computed over those very bytes, so only the header check can tell.
+    import torch
+
+    from elastic_ft.checkpoint import writer as writer_module
+    from elastic_ft.checkpoint.codec import safetensors_segments
+
+    root = str(tmp_path / "r")
+    store = store_class(root)
+    writer = CheckpointWriter(store, "r")
+
+    def snap(step):
+        return snapshot(step, step * 4, {"model": {"w": torch.full((3,), float(step))}},
+                        documents={"trainer": {"step": step}}, config_hash="h")
+
+    def buggy_segments(tensors):
+        blob = safetensors_segments(tensors).tobytes()
+        assert b'"shape":[3]' in blob
+        return blob.replace(b'"shape":[3]', b'"shape":[9]')  # same length: the data offsets stay in place
+
+    writer.commit(snap(1))
+    monkeypatch.setattr(writer_module, "safetensors_segments", buggy_segments)
+    writer.commit(snap(2))
+    monkeypatch.undo()
+
+    loaded, skipped = load_newest(store, "r")
+    assert loaded.manifest.step == 1 and loaded.tensors["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    [bad] = skipped
+    assert bad.step == 2 and bad.kind == "corrupt"
+    assert ".safetensors" in bad.reason and "'w'" in bad.reason and "needs 36" in bad.reason, bad.reason
+    verify = cli("ckpt", "verify", f"file://{root}", "--step", "2")
+    assert verify.returncode == 1 and "Traceback" not in verify.stderr, explain(verify)
+    assert "model" in verify.stderr and "needs 36" in verify.stderr, explain(verify)
+
+
 def test_altered_blob_is_named_by_verify_and_skipped_on_resume(run_copy):
     path = newest_blob_path(run_copy, "run", "model")
     with open(path, "r+b") as f:
