@@ -37,12 +37,11 @@ from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.resume import ResumePlan, incompatible_spec, plan_resume, shape_mismatches
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
+from elastic_ft.train.world import (
+    RunAborted, World, broadcast_from_leader, gather_from_all, init_world, sum_over_ranks,
+)
 
 log = logging.getLogger(__name__)
-
-
-class RunAborted(RuntimeError):
-    """Raised on every rank when one rank hit an error that all must stop for."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,50 +49,6 @@ class RunOptions:
     run_id: str
     checkpoint_uri: str
     log_dir: str
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    device: torch.device
-
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
-
-def init_world() -> World:
-    """Join the process group when launched by torchrun; a single process otherwise."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # Several ranks share this host's cores: oversubscribed threads make every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return World(rank, size, local_rank, local_size, device)
-
-
-def broadcast_from_leader(world: World, value):
-    """``value`` as the leader has it, on every rank (a Python object through the process group)."""
-    if not world.distributed:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
@@ -259,10 +214,7 @@ class Trainer:
             load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
         except Exception as exc:  # reported to every rank below
             error = f"rank {self.world.rank}: {_describe_error(exc)}"
-        errors = [error]
-        if self.world.distributed:
-            errors = [None] * self.world.size
-            dist.all_gather_object(errors, error)
+        errors = gather_from_all(self.world, error)
         failed = [e for e in errors if e is not None]
         if failed:
             where = self.store.join(key)
@@ -324,10 +276,7 @@ class Trainer:
         consumed = None
         if spec.logging.ledger:
             # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
-            consumed = [my_positions]
-            if w.distributed:
-                consumed = [None] * w.size
-                dist.all_gather_object(consumed, my_positions)
+            consumed = gather_from_all(w, my_positions)
         self.step += 1
         self.cursor += plan.global_batch
         if skipped is not None:
@@ -354,7 +303,7 @@ class Trainer:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
-            self._sum_over_ranks(loss_sum)
+            sum_over_ranks(self.world, loss_sum)
         reason = self.guard.observe(grad_norm, float(loss_sum) / max(1, global_tokens))
         if reason is None:
             if self.spec.optimizer.grad_clip is not None:
@@ -362,14 +311,6 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return reason, grad_norm
-
-    def _sum_over_ranks(self, t: torch.Tensor) -> None:
-        """All-reduce a host tensor in place (through the device for NCCL, which reduces no host memory)."""
-        if not self.world.distributed:
-            return
-        on_device = t.to(self.world.device)
-        dist.all_reduce(on_device)
-        t.copy_(on_device)
 
     def _abort(self, reason: str) -> RunAborted:
         """The error that stops the run, with its event (the caller raises it, on every rank alike)."""
@@ -517,7 +458,7 @@ class Trainer:
         if not self._unreported:
             return
         sums = torch.stack([r.loss_sum for r in self._unreported])
-        self._sum_over_ranks(sums)
+        sum_over_ranks(self.world, sums)
         for r, total in zip(self._unreported, sums):
             r.loss_sum = total
             self.report(r)
