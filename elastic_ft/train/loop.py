@@ -22,12 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_ft import faults
-from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
-from elastic_ft.checkpoint.store import StoreError, join_uri, open_store
-from elastic_ft.checkpoint.manifest import Manifest, ManifestError
+from elastic_ft.checkpoint.store import join_uri, open_store
+from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
-from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, retire, snapshot
+from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
 from elastic_ft.train import data as data_mod
@@ -35,7 +34,8 @@ from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
-from elastic_ft.train.resume import ResumePlan, incompatible_spec, plan_resume, shape_mismatches
+from elastic_ft.train.restore import Restorer, optimizer_tensors
+from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
     RunAborted, World, broadcast_from_leader, gather_from_all, init_world, sum_over_ranks,
@@ -49,23 +49,6 @@ class RunOptions:
     run_id: str
     checkpoint_uri: str
     log_dir: str
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state keyed by parameter *name* (stable across restarts)."""
-    out = {}
-    for param, state in optimizer.state.items():
-        for k, v in state.items():
-            out[f"{names[param]}::{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-    return out
-
-
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict, tensors: dict) -> None:
-    for key, value in tensors.items():
-        name, _, field = key.rpartition("::")
-        if name not in params:
-            raise ValueError(f"checkpoint optimizer state names parameter {name!r}, which this model does not train")
-        optimizer.state[params[name]][field] = value.to(params[name].device)
 
 
 @dataclasses.dataclass
@@ -132,6 +115,8 @@ class Trainer:
         )
         self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
         self.injector = faults.Injector.from_env()
+        self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
+                                 injector=self.injector)
         self._save_started: dict[int, tuple[float, float, str]] = {}  # step -> (start, blocked s, reason)
         self._save_lock = threading.Lock()
         # The spec does not change during a run; rendering and hashing it on every
@@ -146,22 +131,15 @@ class Trainer:
     # ------------------------------------------------------------------ resume
 
     def resume(self) -> ResumePlan:
-        """Load the newest verified checkpoint the leader chooses; every rank loads the same one.
+        """Load the newest verified checkpoint the leader chooses (see :class:`Restorer`); plan from it.
 
-        The leader chooses (:meth:`_choose_checkpoint`) and tells every rank;
-        then every rank loads and reports success or failure in one collective
-        (:meth:`_load_on_every_rank`), so any failure stops all ranks with its
-        reason instead of leaving the others waiting in a collective. Raises
-        :class:`RunAborted` on every rank when no decision can be made.
+        Raises :class:`RunAborted` on every rank when no decision can be made
+        or any rank failed to load the chosen checkpoint.
         """
-        decision, loaded = (None, None)
-        if self.world.is_leader:
-            decision, loaded = self._choose_checkpoint()
-        status, detail, skipped = broadcast_from_leader(self.world, decision)
-        if status == "error":
-            self._abort_resume(f"cannot resume run {self.opts.run_id!r}: {detail}")
-        if detail is not None:
-            loaded = self._load_on_every_rank(detail, loaded)
+        loaded, skipped = self.restorer.restore(
+            spec_doc=self._spec_doc, model=self.model, trainable=self.trainable, optimizer=self.optimizer
+        )
+        if loaded is not None:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
             self.last_ckpt_step = self.step
         plan = plan_resume(
@@ -172,65 +150,6 @@ class Trainer:
         if plan.rescale is not None:
             self.events.emit("rescale", **plan.rescale)
         return plan
-
-    def _choose_checkpoint(self) -> tuple[tuple, LoadedCheckpoint | None]:
-        """Leader: ((status, manifest key or error, corrupt ones retired), the loaded checkpoint).
-
-        Corrupt checkpoints newer than the chosen one are retired to quarantine/,
-        and only once the choice is final: an unreadable or foreign checkpoint,
-        or a spec that cannot load the chosen one, stops the run with nothing moved.
-        """
-        run_id = self.opts.run_id
-        try:
-            loaded, skipped = load_newest(self.store, run_id)
-            if loaded is not None:
-                why = incompatible_spec(loaded.documents.get("spec"), self._spec_doc, step=loaded.manifest.step,
-                                        run_id=run_id)
-                if why is not None:
-                    return ("error", why, []), None
-            for s in skipped:
-                retire(self.store, s.key, s.reason)
-        except Exception as exc:  # every rank must stop, not hang
-            return ("error", _describe_error(exc), []), None
-        return ("ok", loaded.manifest.key if loaded else None, skipped), loaded
-
-    def _load_on_every_rank(self, key: str, loaded: LoadedCheckpoint | None) -> LoadedCheckpoint:
-        """Every rank loads ``key`` (the leader already holds it) into its model and optimizer; all or none.
-
-        One collective gathers each rank's result; any failure raises
-        :class:`RunAborted` on every rank, naming the ranks and their reasons.
-        """
-        error = None
-        try:
-            if loaded is None:
-                self.injector.maybe_fail_load(rank=self.world.rank)
-                loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
-            bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
-                                   {n: tuple(p.shape) for n, p in self.trainable.items()})
-            if bad:  # e.g. another base model under model.name_or_path
-                raise ValueError(f"the checkpoint's {len(bad)} trained tensor(s) do not fit this model ({bad[0]}): "
-                                 f"the model changed since; start a new run with another --run_id")
-            model_mod.load_trainable_state(self.model, loaded.tensors["model"])
-            load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
-        except Exception as exc:  # reported to every rank below
-            error = f"rank {self.world.rank}: {_describe_error(exc)}"
-        errors = gather_from_all(self.world, error)
-        failed = [e for e in errors if e is not None]
-        if failed:
-            where = self.store.join(key)
-            self._abort_resume(f"cannot resume run {self.opts.run_id!r} from {where}: {'; '.join(failed)}")
-        assert loaded is not None
-        return loaded
-
-    def _abort_resume(self, reason: str) -> None:
-        """Record ``reason`` now, on every rank, then raise :class:`RunAborted` with it.
-
-        Now, not on the way out: once the first rank exits, torchrun stops the
-        others, which may not get to print their error.
-        """
-        self.events.emit("resume_failed", quiet=True, reason=reason)
-        log.error("rank %d: %s", self.world.rank, reason)
-        raise RunAborted(reason)
 
     # ------------------------------------------------------------------ steps
 
@@ -494,13 +413,6 @@ class Trainer:
 def _number(x: float) -> float | str:
     """``x`` for a JSON event: NaN and infinities as text (JSON has no such numbers)."""
     return x if math.isfinite(x) else str(x)
-
-
-def _describe_error(exc: BaseException) -> str:
-    """One line for an error: domain errors speak for themselves; others say what they are."""
-    if isinstance(exc, (StoreError, ManifestError)):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _fmt_eta(seconds: float) -> str:
