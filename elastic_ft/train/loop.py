@@ -3,6 +3,12 @@
 One process per rank (torchrun starts them). Everything persisted or decided
 is a function of the global step and cursor, never of RANK: ranks are re-dealt
 at every restart, and the world may have changed size since the checkpoint.
+
+The :class:`Trainer` composes the concepts that live in their own modules:
+the world and its collectives (:mod:`~elastic_ft.train.world`), restoring from
+a checkpoint (:mod:`~elastic_ft.train.restore`), step metrics
+(:mod:`~elastic_ft.train.metrics`) and the background saver; what remains here
+is the step itself, when to checkpoint, and the run from start to end.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
+from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.restore import Restorer, optimizer_tensors
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
@@ -49,28 +56,6 @@ class RunOptions:
     run_id: str
     checkpoint_uri: str
     log_dir: str
-
-
-@dataclasses.dataclass
-class StepResult:
-    """A finished optimizer step, whose metrics may not be reported yet."""
-
-    step: int
-    """Steps completed, this one included."""
-    lr: float
-    tokens: int
-    """Global target tokens of the step."""
-    consumed: list | None
-    """Per rank, the (epoch, index) samples processed (ledger only)."""
-    loss_sum: torch.Tensor
-    """This rank's summed token loss; the global sum once :meth:`Trainer.flush_metrics` ran."""
-    seconds: float = float("nan")
-    skipped: str | None = None
-    """Why the update was skipped (a non-finite gradient), or None."""
-
-    @property
-    def loss(self) -> float:
-        return float(self.loss_sum) / max(1, self.tokens)
 
 
 class Trainer:
@@ -124,9 +109,7 @@ class Trainer:
         self._spec_doc, self._config_hash = self.spec.to_dict(), self.spec.hash()
         self.last_ckpt_step = 0
         self.last_ckpt_time = time.monotonic()
-        self.last_loss: float | None = None
-        self._unreported: list[StepResult] = []
-        self._start_step, self._t_start = 0, time.monotonic()
+        self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
 
     # ------------------------------------------------------------------ resume
 
@@ -153,7 +136,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def train_step(self) -> "StepResult":
+    def train_step(self) -> StepResult:
         w, plan, spec = self.world, self.plan, self.spec
         positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
         indices = [i for _, i in positions]
@@ -200,12 +183,12 @@ class Trainer:
         self.cursor += plan.global_batch
         if skipped is not None:
             self.events.emit(
-                "step_skipped", step=self.step, reason=skipped, loss=_number(float(loss_sum) / max(1, global_tokens)),
-                grad_norm=_number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
+                "step_skipped", step=self.step, reason=skipped, loss=number(float(loss_sum) / max(1, global_tokens)),
+                grad_norm=number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
             )
             loss_sum = torch.zeros((), dtype=torch.float64)  # its loss is reported above, not in the step metrics
             if self.guard.exhausted:
-                self.flush_metrics()  # every rank is here: the guard's decision is the same on all
+                self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
         return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped)
 
@@ -248,7 +231,7 @@ class Trainer:
         :class:`SaveFailed` here (on every rank alike; :meth:`run` stops the
         run). ``sync`` raises on any failure: the caller needs the checkpoint.
         """
-        self.flush_metrics()  # the events of every step a checkpoint covers are written first
+        self.metrics.flush()  # the events of every step a checkpoint covers are written first
         t0 = time.monotonic()
         cfg = self.spec.checkpoint
         # The leader decides skip-if-busy and the blob nonce, so all ranks submit the same saves.
@@ -321,7 +304,7 @@ class Trainer:
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
         )
         self.resume()
-        self._start_step, self._t_start = self.step, time.monotonic()
+        self.metrics.start(self.step)
         try:
             while self.step < self.total_steps:
                 self._inject_faults()
@@ -334,15 +317,15 @@ class Trainer:
                     due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
                 if due:
                     self.save(why)
-            self.flush_metrics()
+            self.metrics.flush()
             self.saver.flush()  # the final checkpoint is durable before the job reports success
         except SaveFailed as exc:  # the saver raises it on every rank alike (see AsyncSaver)
             raise self._abort(
                 f"run {self.opts.run_id!r} stopped at step {self.step}: {exc}. A restarted job resumes from the "
                 f"newest committed checkpoint"
             ) from exc
-        summary = {"step": self.step, "final_loss": self.last_loss,
-                   "seconds": round(time.monotonic() - self._t_start, 2)}
+        summary = {"step": self.step, "final_loss": self.metrics.last_loss,
+                   "seconds": round(time.monotonic() - self.metrics.t_start, 2)}
         self.events.emit("end", **summary)
         return summary
 
@@ -361,65 +344,13 @@ class Trainer:
         t0 = time.monotonic()
         result = self.train_step()
         result.seconds = time.monotonic() - t0
-        self._unreported.append(result)
-        if result.step % self.spec.logging.every_steps == 0 or result.step == self.total_steps:
-            self.flush_metrics()
+        self.metrics.add(result)
         return result
-
-    def flush_metrics(self) -> None:
-        """Report the steps not reported yet: one all-reduce for all their losses.
-
-        Token-weighted: the global loss of a step is the sum of the ranks' token
-        loss sums over its global token count, not a mean of per-rank means.
-        One collective per reporting interval instead of one per step keeps
-        the metric off the step's critical path.
-        """
-        if not self._unreported:
-            return
-        sums = torch.stack([r.loss_sum for r in self._unreported])
-        sum_over_ranks(self.world, sums)
-        for r, total in zip(self._unreported, sums):
-            r.loss_sum = total
-            self.report(r)
-        self._unreported.clear()
-
-    def report(self, r: StepResult) -> None:
-        """Events and the progress line of a finished step."""
-        w = self.world
-        if r.consumed is not None:
-            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
-        if r.skipped is not None:
-            return  # its step_skipped event was emitted when it happened
-        loss = r.loss
-        self.last_loss = loss
-        done = max(1, r.step - self._start_step)
-        eta = (time.monotonic() - self._t_start) / done * (self.total_steps - r.step)
-        self.events.emit(
-            "step", quiet=True, step=r.step, loss=round(loss, 6), lr=r.lr, tokens=r.tokens,
-            tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size, eta_s=round(eta, 1),
-        )
-        if w.is_leader and (r.step % self.spec.logging.every_steps == 0 or r.step == self.total_steps):
-            log.info(
-                "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", r.step, self.total_steps,
-                loss, r.lr, f"{r.tokens / r.seconds:,.0f}", w.size, _fmt_eta(eta),
-            )
 
     def close(self) -> None:
         self.saver.close()
         self.events.close()
         self.store.close()
-
-
-def _number(x: float) -> float | str:
-    """``x`` for a JSON event: NaN and infinities as text (JSON has no such numbers)."""
-    return x if math.isfinite(x) else str(x)
-
-
-def _fmt_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:
