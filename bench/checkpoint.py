@@ -207,7 +207,8 @@ def bench_blocked(endpoint, steps: int, every: int, tmp: str, where: str):
     """The real trainer, world 1, saving asynchronously to ``where`` (s3 or file) every ``every`` steps."""
     from elastic_ft.config import load_spec
     from elastic_ft.events import read_events
-    from elastic_ft.train.loop import RunOptions, Trainer, init_world
+    from elastic_ft.train.loop import RunOptions, Trainer
+    from elastic_ft.train.world import init_world
 
     spec = load_spec(os.path.join(ROOT, "specs", "tiny-lora.yaml"), [
         f"steps={steps}", f"checkpoint.every_steps={every}", "checkpoint.async_save=true",

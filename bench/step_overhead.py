@@ -92,7 +92,8 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     from elastic_ft.config import load_spec
     from elastic_ft.train.cursor import deal, take
-    from elastic_ft.train.loop import RunOptions, Trainer, init_world
+    from elastic_ft.train.loop import RunOptions, Trainer
+    from elastic_ft.train.world import init_world
 
     t_setup = time.monotonic()
     spec = load_spec(args.spec, ["steps=1000000"] + list(args.overrides))

@@ -3,6 +3,12 @@
 One process per rank (torchrun starts them). Everything persisted or decided
 is a function of the global step and cursor, never of RANK: ranks are re-dealt
 at every restart, and the world may have changed size since the checkpoint.
+
+The :class:`Trainer` composes the concepts that live in their own modules:
+the world and its collectives (:mod:`~elastic_ft.train.world`), restoring from
+a checkpoint (:mod:`~elastic_ft.train.restore`), step metrics
+(:mod:`~elastic_ft.train.metrics`) and the background saver; what remains here
+is the step itself, when to checkpoint, and the run from start to end.
 """
 
 from __future__ import annotations
@@ -22,12 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_ft import faults
-from elastic_ft.checkpoint.reader import LoadedCheckpoint, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
-from elastic_ft.checkpoint.store import StoreError, join_uri, open_store
-from elastic_ft.checkpoint.manifest import Manifest, ManifestError
+from elastic_ft.checkpoint.store import join_uri, open_store
+from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
-from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, retire, snapshot
+from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
 from elastic_ft.train import data as data_mod
@@ -35,14 +40,15 @@ from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
-from elastic_ft.train.resume import ResumePlan, incompatible_spec, plan_resume, shape_mismatches
+from elastic_ft.train.metrics import Metrics, StepResult, number
+from elastic_ft.train.restore import Restorer, optimizer_tensors
+from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
+from elastic_ft.train.world import (
+    RunAborted, World, broadcast_from_leader, gather_from_all, init_world, sum_over_ranks,
+)
 
 log = logging.getLogger(__name__)
-
-
-class RunAborted(RuntimeError):
-    """Raised on every rank when one rank hit an error that all must stop for."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,89 +56,6 @@ class RunOptions:
     run_id: str
     checkpoint_uri: str
     log_dir: str
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    device: torch.device
-
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
-
-def init_world() -> World:
-    """Join the process group when launched by torchrun; a single process otherwise."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # Several ranks share this host's cores: oversubscribed threads make every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return World(rank, size, local_rank, local_size, device)
-
-
-def broadcast_from_leader(world: World, value):
-    """``value`` as the leader has it, on every rank (a Python object through the process group)."""
-    if not world.distributed:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state keyed by parameter *name* (stable across restarts)."""
-    out = {}
-    for param, state in optimizer.state.items():
-        for k, v in state.items():
-            out[f"{names[param]}::{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-    return out
-
-
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict, tensors: dict) -> None:
-    for key, value in tensors.items():
-        name, _, field = key.rpartition("::")
-        if name not in params:
-            raise ValueError(f"checkpoint optimizer state names parameter {name!r}, which this model does not train")
-        optimizer.state[params[name]][field] = value.to(params[name].device)
-
-
-@dataclasses.dataclass
-class StepResult:
-    """A finished optimizer step, whose metrics may not be reported yet."""
-
-    step: int
-    """Steps completed, this one included."""
-    lr: float
-    tokens: int
-    """Global target tokens of the step."""
-    consumed: list | None
-    """Per rank, the (epoch, index) samples processed (ledger only)."""
-    loss_sum: torch.Tensor
-    """This rank's summed token loss; the global sum once :meth:`Trainer.flush_metrics` ran."""
-    seconds: float = float("nan")
-    skipped: str | None = None
-    """Why the update was skipped (a non-finite gradient), or None."""
-
-    @property
-    def loss(self) -> float:
-        return float(self.loss_sum) / max(1, self.tokens)
 
 
 class Trainer:
@@ -177,6 +100,8 @@ class Trainer:
         )
         self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
         self.injector = faults.Injector.from_env()
+        self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
+                                 injector=self.injector)
         self._save_started: dict[int, tuple[float, float, str]] = {}  # step -> (start, blocked s, reason)
         self._save_lock = threading.Lock()
         # The spec does not change during a run; rendering and hashing it on every
@@ -184,29 +109,20 @@ class Trainer:
         self._spec_doc, self._config_hash = self.spec.to_dict(), self.spec.hash()
         self.last_ckpt_step = 0
         self.last_ckpt_time = time.monotonic()
-        self.last_loss: float | None = None
-        self._unreported: list[StepResult] = []
-        self._start_step, self._t_start = 0, time.monotonic()
+        self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
 
     # ------------------------------------------------------------------ resume
 
     def resume(self) -> ResumePlan:
-        """Load the newest verified checkpoint the leader chooses; every rank loads the same one.
+        """Load the newest verified checkpoint the leader chooses (see :class:`Restorer`); plan from it.
 
-        The leader chooses (:meth:`_choose_checkpoint`) and tells every rank;
-        then every rank loads and reports success or failure in one collective
-        (:meth:`_load_on_every_rank`), so any failure stops all ranks with its
-        reason instead of leaving the others waiting in a collective. Raises
-        :class:`RunAborted` on every rank when no decision can be made.
+        Raises :class:`RunAborted` on every rank when no decision can be made
+        or any rank failed to load the chosen checkpoint.
         """
-        decision, loaded = (None, None)
-        if self.world.is_leader:
-            decision, loaded = self._choose_checkpoint()
-        status, detail, skipped = broadcast_from_leader(self.world, decision)
-        if status == "error":
-            self._abort_resume(f"cannot resume run {self.opts.run_id!r}: {detail}")
-        if detail is not None:
-            loaded = self._load_on_every_rank(detail, loaded)
+        loaded, skipped = self.restorer.restore(
+            spec_doc=self._spec_doc, model=self.model, trainable=self.trainable, optimizer=self.optimizer
+        )
+        if loaded is not None:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
             self.last_ckpt_step = self.step
         plan = plan_resume(
@@ -218,71 +134,9 @@ class Trainer:
             self.events.emit("rescale", **plan.rescale)
         return plan
 
-    def _choose_checkpoint(self) -> tuple[tuple, LoadedCheckpoint | None]:
-        """Leader: ((status, manifest key or error, corrupt ones retired), the loaded checkpoint).
-
-        Corrupt checkpoints newer than the chosen one are retired to quarantine/,
-        and only once the choice is final: an unreadable or foreign checkpoint,
-        or a spec that cannot load the chosen one, stops the run with nothing moved.
-        """
-        run_id = self.opts.run_id
-        try:
-            loaded, skipped = load_newest(self.store, run_id)
-            if loaded is not None:
-                why = incompatible_spec(loaded.documents.get("spec"), self._spec_doc, step=loaded.manifest.step,
-                                        run_id=run_id)
-                if why is not None:
-                    return ("error", why, []), None
-            for s in skipped:
-                retire(self.store, s.key, s.reason)
-        except Exception as exc:  # every rank must stop, not hang
-            return ("error", _describe_error(exc), []), None
-        return ("ok", loaded.manifest.key if loaded else None, skipped), loaded
-
-    def _load_on_every_rank(self, key: str, loaded: LoadedCheckpoint | None) -> LoadedCheckpoint:
-        """Every rank loads ``key`` (the leader already holds it) into its model and optimizer; all or none.
-
-        One collective gathers each rank's result; any failure raises
-        :class:`RunAborted` on every rank, naming the ranks and their reasons.
-        """
-        error = None
-        try:
-            if loaded is None:
-                self.injector.maybe_fail_load(rank=self.world.rank)
-                loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.opts.run_id))
-            bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
-                                   {n: tuple(p.shape) for n, p in self.trainable.items()})
-            if bad:  # e.g. another base model under model.name_or_path
-                raise ValueError(f"the checkpoint's {len(bad)} trained tensor(s) do not fit this model ({bad[0]}): "
-                                 f"the model changed since; start a new run with another --run_id")
-            model_mod.load_trainable_state(self.model, loaded.tensors["model"])
-            load_optimizer_tensors(self.optimizer, self.trainable, loaded.tensors["optimizer"])
-        except Exception as exc:  # reported to every rank below
-            error = f"rank {self.world.rank}: {_describe_error(exc)}"
-        errors = [error]
-        if self.world.distributed:
-            errors = [None] * self.world.size
-            dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e is not None]
-        if failed:
-            where = self.store.join(key)
-            self._abort_resume(f"cannot resume run {self.opts.run_id!r} from {where}: {'; '.join(failed)}")
-        assert loaded is not None
-        return loaded
-
-    def _abort_resume(self, reason: str) -> None:
-        """Record ``reason`` now, on every rank, then raise :class:`RunAborted` with it.
-
-        Now, not on the way out: once the first rank exits, torchrun stops the
-        others, which may not get to print their error.
-        """
-        self.events.emit("resume_failed", quiet=True, reason=reason)
-        log.error("rank %d: %s", self.world.rank, reason)
-        raise RunAborted(reason)
-
     # ------------------------------------------------------------------ steps
 
-    def train_step(self) -> "StepResult":
+    def train_step(self) -> StepResult:
         w, plan, spec = self.world, self.plan, self.spec
         positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
         indices = [i for _, i in positions]
@@ -324,20 +178,17 @@ class Trainer:
         consumed = None
         if spec.logging.ledger:
             # What each rank actually processed, gathered: the ledger proves the deal, not the plan.
-            consumed = [my_positions]
-            if w.distributed:
-                consumed = [None] * w.size
-                dist.all_gather_object(consumed, my_positions)
+            consumed = gather_from_all(w, my_positions)
         self.step += 1
         self.cursor += plan.global_batch
         if skipped is not None:
             self.events.emit(
-                "step_skipped", step=self.step, reason=skipped, loss=_number(float(loss_sum) / max(1, global_tokens)),
-                grad_norm=_number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
+                "step_skipped", step=self.step, reason=skipped, loss=number(float(loss_sum) / max(1, global_tokens)),
+                grad_norm=number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
             )
             loss_sum = torch.zeros((), dtype=torch.float64)  # its loss is reported above, not in the step metrics
             if self.guard.exhausted:
-                self.flush_metrics()  # every rank is here: the guard's decision is the same on all
+                self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
         return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped)
 
@@ -354,7 +205,7 @@ class Trainer:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
-            self._sum_over_ranks(loss_sum)
+            sum_over_ranks(self.world, loss_sum)
         reason = self.guard.observe(grad_norm, float(loss_sum) / max(1, global_tokens))
         if reason is None:
             if self.spec.optimizer.grad_clip is not None:
@@ -362,14 +213,6 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return reason, grad_norm
-
-    def _sum_over_ranks(self, t: torch.Tensor) -> None:
-        """All-reduce a host tensor in place (through the device for NCCL, which reduces no host memory)."""
-        if not self.world.distributed:
-            return
-        on_device = t.to(self.world.device)
-        dist.all_reduce(on_device)
-        t.copy_(on_device)
 
     def _abort(self, reason: str) -> RunAborted:
         """The error that stops the run, with its event (the caller raises it, on every rank alike)."""
@@ -388,7 +231,7 @@ class Trainer:
         :class:`SaveFailed` here (on every rank alike; :meth:`run` stops the
         run). ``sync`` raises on any failure: the caller needs the checkpoint.
         """
-        self.flush_metrics()  # the events of every step a checkpoint covers are written first
+        self.metrics.flush()  # the events of every step a checkpoint covers are written first
         t0 = time.monotonic()
         cfg = self.spec.checkpoint
         # The leader decides skip-if-busy and the blob nonce, so all ranks submit the same saves.
@@ -461,7 +304,7 @@ class Trainer:
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
         )
         self.resume()
-        self._start_step, self._t_start = self.step, time.monotonic()
+        self.metrics.start(self.step)
         try:
             while self.step < self.total_steps:
                 self._inject_faults()
@@ -474,15 +317,15 @@ class Trainer:
                     due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
                 if due:
                     self.save(why)
-            self.flush_metrics()
+            self.metrics.flush()
             self.saver.flush()  # the final checkpoint is durable before the job reports success
         except SaveFailed as exc:  # the saver raises it on every rank alike (see AsyncSaver)
             raise self._abort(
                 f"run {self.opts.run_id!r} stopped at step {self.step}: {exc}. A restarted job resumes from the "
                 f"newest committed checkpoint"
             ) from exc
-        summary = {"step": self.step, "final_loss": self.last_loss,
-                   "seconds": round(time.monotonic() - self._t_start, 2)}
+        summary = {"step": self.step, "final_loss": self.metrics.last_loss,
+                   "seconds": round(time.monotonic() - self.metrics.t_start, 2)}
         self.events.emit("end", **summary)
         return summary
 
@@ -501,72 +344,13 @@ class Trainer:
         t0 = time.monotonic()
         result = self.train_step()
         result.seconds = time.monotonic() - t0
-        self._unreported.append(result)
-        if result.step % self.spec.logging.every_steps == 0 or result.step == self.total_steps:
-            self.flush_metrics()
+        self.metrics.add(result)
         return result
-
-    def flush_metrics(self) -> None:
-        """Report the steps not reported yet: one all-reduce for all their losses.
-
-        Token-weighted: the global loss of a step is the sum of the ranks' token
-        loss sums over its global token count, not a mean of per-rank means.
-        One collective per reporting interval instead of one per step keeps
-        the metric off the step's critical path.
-        """
-        if not self._unreported:
-            return
-        sums = torch.stack([r.loss_sum for r in self._unreported])
-        self._sum_over_ranks(sums)
-        for r, total in zip(self._unreported, sums):
-            r.loss_sum = total
-            self.report(r)
-        self._unreported.clear()
-
-    def report(self, r: StepResult) -> None:
-        """Events and the progress line of a finished step."""
-        w = self.world
-        if r.consumed is not None:
-            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
-        if r.skipped is not None:
-            return  # its step_skipped event was emitted when it happened
-        loss = r.loss
-        self.last_loss = loss
-        done = max(1, r.step - self._start_step)
-        eta = (time.monotonic() - self._t_start) / done * (self.total_steps - r.step)
-        self.events.emit(
-            "step", quiet=True, step=r.step, loss=round(loss, 6), lr=r.lr, tokens=r.tokens,
-            tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size, eta_s=round(eta, 1),
-        )
-        if w.is_leader and (r.step % self.spec.logging.every_steps == 0 or r.step == self.total_steps):
-            log.info(
-                "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", r.step, self.total_steps,
-                loss, r.lr, f"{r.tokens / r.seconds:,.0f}", w.size, _fmt_eta(eta),
-            )
 
     def close(self) -> None:
         self.saver.close()
         self.events.close()
         self.store.close()
-
-
-def _number(x: float) -> float | str:
-    """``x`` for a JSON event: NaN and infinities as text (JSON has no such numbers)."""
-    return x if math.isfinite(x) else str(x)
-
-
-def _describe_error(exc: BaseException) -> str:
-    """One line for an error: domain errors speak for themselves; others say what they are."""
-    if isinstance(exc, (StoreError, ManifestError)):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _fmt_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:

@@ -1,0 +1,116 @@
+"""Step metrics: the loss, throughput and ETA of finished steps, as events and progress lines.
+
+Losses are token-weighted over the whole world and reduced in one collective
+per reporting interval, not per step, which keeps the metric off the step's
+critical path. Every rank reports the same steps at the same points, since the
+reduction is a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+
+from elastic_ft.events import EventLog
+from elastic_ft.train.world import World, sum_over_ranks
+
+log = logging.getLogger("elastic_ft.train.loop")  # the name the progress lines always had
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A finished optimizer step, whose metrics may not be reported yet."""
+
+    step: int
+    """Steps completed, this one included."""
+    lr: float
+    tokens: int
+    """Global target tokens of the step."""
+    consumed: list | None
+    """Per rank, the (epoch, index) samples processed (ledger only)."""
+    loss_sum: torch.Tensor
+    """This rank's summed token loss; the global sum once :meth:`Metrics.flush` ran."""
+    seconds: float = float("nan")
+    skipped: str | None = None
+    """Why the update was skipped (a non-finite gradient), or None."""
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_sum) / max(1, self.tokens)
+
+
+class Metrics:
+    """The steps not reported yet, and what reporting them needs (the run's length, its start, its last loss)."""
+
+    def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int) -> None:
+        self.world, self.events = world, events
+        self.total_steps, self.every_steps = total_steps, every_steps
+        self.last_loss: float | None = None
+        """The global loss of the newest reported (not skipped) step; None before any."""
+        self._unreported: list[StepResult] = []
+        self.start_step, self.t_start = 0, time.monotonic()
+
+    def start(self, step: int) -> None:
+        """The run (re)starts training at ``step`` now: the ETA counts from here."""
+        self.start_step, self.t_start = step, time.monotonic()
+
+    def add(self, result: StepResult) -> None:
+        """Queue a finished step; report the queue every ``logging.every_steps`` steps and at the last."""
+        self._unreported.append(result)
+        if result.step % self.every_steps == 0 or result.step == self.total_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report the steps not reported yet: one all-reduce for all their losses.
+
+        Token-weighted: the global loss of a step is the sum of the ranks' token
+        loss sums over its global token count, not a mean of per-rank means.
+        Called on every rank at the same points (it is a collective); a no-op
+        when nothing is queued.
+        """
+        if not self._unreported:
+            return
+        sums = torch.stack([r.loss_sum for r in self._unreported])
+        sum_over_ranks(self.world, sums)
+        for r, total in zip(self._unreported, sums):
+            r.loss_sum = total
+            self.report(r)
+        self._unreported.clear()
+
+    def report(self, r: StepResult) -> None:
+        """Events and the progress line of a finished step."""
+        w = self.world
+        if r.consumed is not None:
+            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
+        if r.skipped is not None:
+            return  # its step_skipped event was emitted when it happened
+        loss = r.loss
+        self.last_loss = loss
+        done = max(1, r.step - self.start_step)
+        eta = (time.monotonic() - self.t_start) / done * (self.total_steps - r.step)
+        self.events.emit(
+            "step", quiet=True, step=r.step, loss=round(loss, 6), lr=r.lr, tokens=r.tokens,
+            tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size, eta_s=round(eta, 1),
+        )
+        if w.is_leader and (r.step % self.every_steps == 0 or r.step == self.total_steps):
+            log.info(
+                "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", r.step, self.total_steps,
+                loss, r.lr, f"{r.tokens / r.seconds:,.0f}", w.size, fmt_eta(eta),
+            )
+
+
+def number(x: float) -> float | str:
+    """``x`` for a JSON event: NaN and infinities as text (JSON has no such numbers)."""
+    return x if math.isfinite(x) else str(x)
+
+
+def fmt_eta(seconds: float) -> str:
+    """H:MM:SS, or ``?`` when unknown (infinite or NaN)."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

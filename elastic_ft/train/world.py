@@ -1,0 +1,79 @@
+"""The world of one training process: its rank, the process group, and the collectives the trainer uses.
+
+Every collective here is a no-op on a single process (no torchrun), so the
+trainer reads the same with one rank or many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class RunAborted(RuntimeError):
+    """Raised on every rank when one rank hit an error that all must stop for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def init_world() -> World:
+    """Join the process group when launched by torchrun; a single process otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Several ranks share this host's cores: oversubscribed threads make every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, local_rank, local_size, device)
+
+
+def broadcast_from_leader(world: World, value):
+    """``value`` as the leader has it, on every rank (a Python object through the process group)."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_from_all(world: World, value) -> list:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` on a single process)."""
+    if not world.distributed:
+        return [value]
+    out = [None] * world.size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def sum_over_ranks(world: World, t: torch.Tensor) -> None:
+    """All-reduce a host tensor in place (through the device for NCCL, which reduces no host memory)."""
+    if not world.distributed:
+        return
+    on_device = t.to(world.device)
+    dist.all_reduce(on_device)
+    t.copy_(on_device)
