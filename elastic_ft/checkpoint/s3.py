@@ -69,15 +69,8 @@ from typing import Any, TypeVar
 
 from elastic_ft.checkpoint.digest import BlobDigest
 from elastic_ft.checkpoint.segments import Data, Segments, as_segments
-from elastic_ft.checkpoint.store import (
-    BlobMismatch,
-    ObjectExists,
-    ObjectInfo,
-    ObjectNotFound,
-    ObjectStore,
-    StoreError,
-    StoreUnavailable,
-)
+from elastic_ft.checkpoint.errors import BlobMismatch, ObjectExists, ObjectNotFound, StoreError, StoreUnavailable
+from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +234,6 @@ def _sse_args(sse: str | None, kms_key_id: str | None) -> dict[str, str]:
     return args
 
 
-def _check_key(key: str) -> None:
-    parts = key.split("/")
-    if not key or any(p in ("", ".", "..") for p in parts):
-        raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
-
-
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -356,7 +343,7 @@ class S3Store(ObjectStore):
     # -- plumbing ---------------------------------------------------------------
 
     def _s3key(self, key: str) -> str:
-        _check_key(key)
+        check_key(key)
         return self.prefix + key
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:

@@ -14,37 +14,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import errno
+import importlib
 import os
-import stat
-import tempfile
 import urllib.parse
+from collections.abc import Callable
+from typing import Any
 
 from elastic_ft.checkpoint.digest import blob_sha256
-from elastic_ft.checkpoint.segments import Data, as_segments
-from elastic_ft.filemode import default_file_mode
-
-
-class StoreError(Exception):
-    """A storage operation failed; the message names the object and what to do."""
-
-
-class ObjectNotFound(StoreError):
-    """The key does not exist in the store."""
-
-
-class StoreUnavailable(StoreError):
-    """The store could not answer: retries ran out, access was denied, the disk or
-    the network failed. Nothing is known about the object, so nothing may be
-    decided from it (no checkpoint is retired, no blob deleted): stop and retry later."""
-
-
-class ObjectExists(StoreError):
-    """A put with ``if_absent=True`` found the key already there (HTTP 412 on S3)."""
-
-
-class UnsupportedURI(StoreError, ValueError):
-    """The checkpoint URI's scheme has no backend."""
+from elastic_ft.checkpoint.errors import (
+    BlobMismatch,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+    UnsupportedURI,
+)
+from elastic_ft.checkpoint.segments import Data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +107,6 @@ class ObjectStore(abc.ABC):
         return f"{self.uri.rstrip('/')}/{key}"
 
 
-class BlobMismatch(StoreError):
-    """A blob's bytes do not match the size or sha256 its manifest recorded."""
-
-
 def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str, chunk_size: int = 0) -> None:
     """Raise :class:`BlobMismatch` naming ``key`` unless ``data`` has ``size`` and digest ``sha256``
     (chunked by ``chunk_size``: :mod:`elastic_ft.checkpoint.digest`)."""
@@ -136,199 +117,116 @@ def check_blob(key: str, data: bytes | memoryview, *, size: int, sha256: str, ch
         raise BlobMismatch(f"blob {key!r} has sha256 {actual[:16]}… but its manifest records {sha256[:16]}…")
 
 
-class LocalStore(ObjectStore):
-    """``file://`` store: one file per key under a root directory.
+def check_key(key: str) -> None:
+    """Raise :class:`StoreError` unless ``key`` is '/'-separated names without '', '.' or '..'
+    (an empty segment or a '..' would name another object, or escape the root, on some backend)."""
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") for p in parts):
+        raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
 
-    Atomic put is write-temp + fsync + rename (+ fsync of the directory, so the
-    rename itself survives a power cut). ``if_absent`` uses ``os.link`` of the
-    temp file, which fails if the target exists: the same create-if-absent that
-    S3's ``If-None-Match: *`` gives, without a check-then-rename race. Objects
-    get the mode the umask implies (``mkstemp`` alone would leave them 0600).
 
-    Errors: a missing file is :class:`ObjectNotFound`; any other ``OSError``
-    (EIO, EACCES, ENOSPC, a directory where an object's file should be, a file
-    where a directory should be) is :class:`StoreUnavailable`: the disk could not
-    answer, which says nothing about the checkpoint.
+# -- the scheme registry --------------------------------------------------------
+#
+# Backends are named by dotted path and imported only when a URI of their scheme
+# is checked or opened, so importing this module never imports boto3, and no
+# backend module is imported by this one (each imports only this module and
+# :mod:`elastic_ft.checkpoint.errors`): a new scheme is one module plus one
+# ``register_scheme`` line.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scheme:
+    opener: str  # "module:attr[.attr]": called with the URI, returns an ObjectStore
+    checker: str | None  # "module:attr[.attr]": called with the URI, raises for a malformed one
+
+
+_SCHEMES: dict[str, _Scheme] = {}
+
+
+def register_scheme(scheme: str, opener: str, *, checker: str | None = None) -> None:
+    """Open ``scheme://`` URIs with the callable at dotted path ``opener`` ("package.module:name").
+
+    ``checker`` (same form) validates a URI without opening anything; it may raise
+    any :class:`StoreError`. Both are imported on first use. Registering a scheme
+    again replaces it (a test or plugin may override a backend). Raises
+    :class:`ValueError` for a scheme that is not a URI scheme or a path without ':'.
     """
-
-    def __init__(self, root: str, *, uri: str | None = None) -> None:
-        self.root = os.path.abspath(root)
-        self.uri = uri or f"file://{self.root}"
-
-    def _path(self, key: str) -> str:
-        parts = key.split("/")
-        if not key or any(p in ("", ".", "..") for p in parts):
-            raise StoreError(f"invalid object key {key!r}: keys are '/'-separated names without '.' or '..'")
-        return os.path.join(self.root, *parts)
-
-    def _unavailable(self, what: str, key: str, exc: OSError) -> StoreUnavailable:
-        """The domain error for an ``OSError`` other than a missing file: names the object, the cause, what to do."""
-        name = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-        return StoreUnavailable(
-            f"{what} of {self.join(key)} failed: {exc.strerror or exc} ({name}); "
-            "check the filesystem (permissions, free space, disk health) and retry"
-        )
-
-    def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
-        path = self._path(key)
-        directory = os.path.dirname(path)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
-        except OSError as exc:
-            raise self._unavailable("put", key, exc) from exc
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), default_file_mode())  # as open() would: readable on a shared filesystem
-                for buf in as_segments(data).buffers:
-                    f.write(buf)
-                f.flush()
-                os.fsync(f.fileno())
-            if if_absent:
-                try:
-                    os.link(tmp, path)
-                except FileExistsError as exc:
-                    raise ObjectExists(f"{self.join(key)} already exists") from exc
-            else:
-                os.replace(tmp, path)
-            _fsync_dir(directory)
-        except OSError as exc:
-            raise self._unavailable("put", key, exc) from exc
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    def get(self, key: str) -> bytes:
-        return self._read(key, size=None)
-
-    def get_verified(self, key: str, *, size: int, sha256: str, chunk_size: int = 0) -> bytes:
-        """As :meth:`ObjectStore.get_verified`, but the file's size is checked before
-        it is read: a manifest's size is never trusted to size anything."""
-        data = self._read(key, size=size)
-        check_blob(key, data, size=size, sha256=sha256, chunk_size=chunk_size)
-        return data
-
-    def _read(self, key: str, *, size: int | None) -> bytes:
-        """The file's bytes; with ``size``, :class:`BlobMismatch` first if the file has another size."""
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                actual = os.fstat(f.fileno()).st_size
-                if size is not None and actual != size:
-                    raise BlobMismatch(f"blob {key!r} has {actual} bytes but its manifest records {size}")
-                return f.read()
-        except FileNotFoundError as exc:
-            raise ObjectNotFound(f"{self.join(key)} does not exist") from exc
-        except OSError as exc:
-            raise self._unavailable("get", key, exc) from exc
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """As :meth:`ObjectStore.list`; a root that does not exist yet lists empty.
-
-        An unreadable directory raises :class:`StoreUnavailable` rather than
-        being skipped: a listing that silently misses files would prove blobs
-        missing that are there.
-        """
-        try:
-            if not stat.S_ISDIR(os.stat(self.root).st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", self.root)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise self._unavailable("list", f"{prefix}*", exc) from exc
-
-        def walk_error(exc: OSError) -> None:
-            if not isinstance(exc, FileNotFoundError):  # a directory gc removed while we walked
-                raise exc
-
-        out: list[ObjectInfo] = []
-        try:
-            for dirpath, _dirs, files in os.walk(self.root, onerror=walk_error):
-                for name in files:
-                    if name.startswith(".tmp-"):
-                        continue  # an in-flight or crashed put; never a visible object
-                    full = os.path.join(dirpath, name)
-                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                    if key.startswith(prefix):
-                        try:
-                            st = os.stat(full)
-                        except FileNotFoundError:
-                            continue  # deleted while listing
-                        out.append(ObjectInfo(key, st.st_size, st.st_mtime))
-        except OSError as exc:
-            raise self._unavailable("list", f"{prefix}*", exc) from exc
-        out.sort(key=lambda o: o.key)
-        return out
-
-    def delete(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise self._unavailable("delete", key, exc) from exc
-        # Prune now-empty blob directories so a gc'd run leaves no litter.
-        parent = os.path.dirname(path)
-        while parent != self.root and parent.startswith(self.root):
-            try:
-                os.rmdir(parent)
-            except OSError:
-                break
-            parent = os.path.dirname(parent)
+    key = scheme.lower()
+    if not key or not key[0].isalpha() or not all(c.isalnum() or c in "+-." for c in key):
+        raise ValueError(f"register_scheme: {scheme!r} is not a URI scheme (a letter, then letters, digits, '+-.')")
+    for what, path in (("opener", opener), ("checker", checker)):
+        if path is not None and ":" not in path:
+            raise ValueError(f"register_scheme: {what} {path!r} must be 'package.module:callable'")
+    _SCHEMES[key] = _Scheme(opener, checker)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def registered_schemes() -> list[str]:
+    """The schemes :func:`open_store` accepts, sorted (a plain path means ``file``)."""
+    return sorted(_SCHEMES)
+
+
+def _resolve(path: str) -> Callable[[str], Any]:
+    """Import ``package.module:attr[.attr]`` and return the attribute."""
+    module_name, _, attrs = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for attr in attrs.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _scheme_of(uri: str) -> tuple[str, _Scheme]:
+    """The URI's scheme (a plain path is ``file``) and its registration; :class:`UnsupportedURI` if none."""
+    scheme = urllib.parse.urlparse(uri).scheme
+    entry = _SCHEMES.get(scheme.lower() or "file")
+    if entry is None:
+        known = ", ".join(f"{s}://" for s in registered_schemes())
+        raise UnsupportedURI(f"checkpoint URI {uri!r} has unsupported scheme {scheme!r}; known schemes: {known}")
+    return scheme.lower() or "file", entry
 
 
 def check_uri(uri: str) -> str | None:
-    """The local path of a file URI (or plain path), None for S3; raises for a URI :func:`open_store` refuses.
+    """The local path of a file URI (or plain path), None for other schemes; raises for a URI :func:`open_store` refuses.
 
     Opens nothing, so a command can check the URI as the user typed it before
     any work, and the message quotes exactly that: joining a run id onto a bad
     base first would garble it ('s3://' + 'run' reads 's3:/run'). A file URI
     without a path ('file://', '') is refused: joined with a run id it would
-    silently mean '/run', at the filesystem root.
+    silently mean '/run', at the filesystem root. Other schemes are checked by
+    their registered ``checker``, if any. An unknown scheme raises
+    :class:`UnsupportedURI` naming it and the known ones.
     """
-    parsed = urllib.parse.urlparse(uri)
-    scheme = parsed.scheme.lower()
-    if scheme in ("", "file"):
-        if scheme == "file" and parsed.netloc not in ("", "localhost", "."):
-            raise UnsupportedURI(
-                f"checkpoint URI {uri!r}: file URIs must be file:///absolute/path or file://./relative/path"
-            )
-        path = (parsed.netloc + parsed.path) if parsed.netloc == "." else (parsed.path if scheme else uri)
-        if not path:
-            raise UnsupportedURI(
-                f"checkpoint URI {uri!r} has no path; write file:///absolute/path or file://./relative/path"
-            )
-        return path
-    if scheme == "s3":
-        from elastic_ft.checkpoint.s3 import parse_s3_uri  # the SDK itself is imported only by a store
+    scheme, entry = _scheme_of(uri)
+    if scheme == "file":
+        return _file_path(uri)
+    if entry.checker is not None:
+        _resolve(entry.checker)(uri)
+    return None
 
-        parse_s3_uri(uri)
-        return None
-    raise UnsupportedURI(
-        f"checkpoint URI {uri!r} has unsupported scheme {parsed.scheme!r}; use file:///path or s3://bucket/prefix"
-    )
+
+def _file_path(uri: str) -> str:
+    """The path of ``file:///abs``, ``file://./rel`` or a plain path; :class:`UnsupportedURI` for others."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme and parsed.netloc not in ("", "localhost", "."):
+        raise UnsupportedURI(
+            f"checkpoint URI {uri!r}: file URIs must be file:///absolute/path or file://./relative/path"
+        )
+    path = (parsed.netloc + parsed.path) if parsed.netloc == "." else (parsed.path if parsed.scheme else uri)
+    if not path:
+        raise UnsupportedURI(f"checkpoint URI {uri!r} has no path; write file:///absolute/path or file://./relative/path")
+    return path
 
 
 def open_store(uri: str) -> ObjectStore:
-    """Open the store for a run's URI: ``file:///abs/dir``, a plain path, or ``s3://bucket/prefix``.
+    """Open the store for a run's URI: ``file:///abs/dir``, a plain path, ``s3://bucket/prefix``,
+    or any scheme added with :func:`register_scheme`.
 
-    Raises :class:`UnsupportedURI` naming the scheme for anything else (see :func:`check_uri`).
+    The URI is checked first (:func:`check_uri`), so every scheme refuses a
+    malformed URI with the same errors, then the scheme's opener is imported
+    and called with it.
     """
-    path = check_uri(uri)
-    if path is not None:
-        return LocalStore(path, uri=uri)
-    from elastic_ft.checkpoint.s3 import S3Store  # boto3 is heavy: import only when used
-
-    return S3Store.from_uri(uri)
+    check_uri(uri)
+    _scheme, entry = _scheme_of(uri)
+    return _resolve(entry.opener)(uri)
 
 
 def join_uri(base: str, *parts: str) -> str:
@@ -339,9 +237,25 @@ def join_uri(base: str, *parts: str) -> str:
     return out
 
 
+register_scheme("file", "elastic_ft.checkpoint.local:open_local")
+register_scheme("s3", "elastic_ft.checkpoint.s3:S3Store.from_uri", checker="elastic_ft.checkpoint.s3:parse_s3_uri")
+
+
+def __getattr__(name: str) -> Any:
+    """``LocalStore`` moved to :mod:`elastic_ft.checkpoint.local`; still importable from here.
+
+    Imported on access, not at module level: :mod:`~elastic_ft.checkpoint.local`
+    imports this module, and this one must import no backend.
+    """
+    if name == "LocalStore":
+        from elastic_ft.checkpoint.local import LocalStore
+
+        return LocalStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BlobMismatch",
-    "LocalStore",
     "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
@@ -350,7 +264,10 @@ __all__ = [
     "StoreUnavailable",
     "UnsupportedURI",
     "check_blob",
+    "check_key",
     "check_uri",
     "join_uri",
     "open_store",
+    "register_scheme",
+    "registered_schemes",
 ]

@@ -12,7 +12,8 @@ import logging
 
 import pytest
 
-from elastic_ft.checkpoint.store import LocalStore, ObjectStore
+from elastic_ft.checkpoint.local import LocalStore
+from elastic_ft.checkpoint.store import ObjectStore
 
 try:  # a package when tests/ gains __init__.py files, plain modules otherwise
     from .fault_proxy import FaultProxy

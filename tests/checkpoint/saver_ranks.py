@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.checkpoint.saver import AsyncSaver
-from elastic_ft.checkpoint.store import LocalStore, StoreUnavailable
+from elastic_ft.checkpoint.local import LocalStore
+from elastic_ft.checkpoint.store import StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot
 
 

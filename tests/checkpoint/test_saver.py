@@ -14,7 +14,8 @@ from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manif
 from elastic_ft.checkpoint.saver import (
     AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors,
 )
-from elastic_ft.checkpoint.store import LocalStore, StoreUnavailable
+from elastic_ft.checkpoint.local import LocalStore
+from elastic_ft.checkpoint.store import StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot
 
 RUN = "saver"

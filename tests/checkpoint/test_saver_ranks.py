@@ -10,7 +10,7 @@ import sys
 
 from elastic_ft.checkpoint.manifest import step_of_key
 from elastic_ft.checkpoint.reader import list_manifests
-from elastic_ft.checkpoint.store import LocalStore
+from elastic_ft.checkpoint.local import LocalStore
 from tests.conftest import REPO, process_env
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "saver_ranks.py")

@@ -191,7 +191,7 @@ def test_store_get_verified_checks_a_claimed_size_before_allocating_it(backend, 
 def test_store_objects_get_the_mode_the_umask_implies(tmp_path, umask):
     # Objects are written to a temporary file (mode 0600) and renamed into place;
     # on a shared filesystem they must be as readable as any file the user creates.
-    from elastic_ft.checkpoint.store import LocalStore
+    from elastic_ft.checkpoint.local import LocalStore
 
     store = LocalStore(str(tmp_path / "store"))
     old = os.umask(umask)
@@ -211,7 +211,7 @@ class TestLocalStoreCouldNotAnswer:
 
     @pytest.fixture
     def store(self, tmp_path):
-        from elastic_ft.checkpoint.store import LocalStore
+        from elastic_ft.checkpoint.local import LocalStore
 
         return LocalStore(str(tmp_path / "store"))
 

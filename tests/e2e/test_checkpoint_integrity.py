@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
-from elastic_ft.checkpoint.store import LocalStore
+from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
 from elastic_ft.events import read_events
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun, tree_digest

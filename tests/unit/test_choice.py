@@ -86,7 +86,7 @@ def test_unknown_kind_is_a_bug():
 
 def test_a_blob_is_proven_absent_only_by_a_listing_that_does_not_show_it(tmp_path):
     from elastic_ft.checkpoint.reader import confirmed_absent
-    from elastic_ft.checkpoint.store import LocalStore
+    from elastic_ft.checkpoint.local import LocalStore
 
     store = LocalStore(str(tmp_path / "run"))
     assert confirmed_absent(store, "blobs/000000000002-x/model.safetensors")[0] is True

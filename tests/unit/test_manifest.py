@@ -168,7 +168,7 @@ def test_json_depth():
 def test_retiring_an_oversized_manifest_does_not_read_it(tmp_path):
     """Its size could be anything (a 50 GB object under manifests/): only the size is kept."""
     from elastic_ft.checkpoint.manifest import MAX_MANIFEST_BYTES
-    from elastic_ft.checkpoint.store import LocalStore
+    from elastic_ft.checkpoint.local import LocalStore
     from elastic_ft.checkpoint.writer import retire
 
     class Reads(LocalStore):
