@@ -27,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elastic_ft.checkpoint.segments import Segments
-from elastic_ft.checkpoint.store import BlobMismatch
+from elastic_ft.checkpoint.errors import BlobMismatch
 
 
 def _dtype_table() -> dict[str, torch.dtype]:
