@@ -103,8 +103,13 @@ def test_set_get_delete_key_and_num_keys(s):
 
 def test_extended_api_is_declared_and_works(s):
     assert s.store.has_extended_api() is True
+    # TCPStore sends append and set without waiting for a reply, so two
+    # handles' writes are ordered only by a read that blocks on them: get()
+    # waits for the key, and a handle's own requests are served in order.
     s.store.append("log", "a")  # a missing key is created
+    assert s.peer.get("log") == b"a"
     s.peer.append("log", b"b")
+    assert s.peer.get("log") == b"ab"
     assert s.store.get("log") == b"ab"
     s.store.multi_set(["x", "y"], ["1", b"2"])
     assert s.peer.multi_get(["y", "x"]) == [b"2", b"1"]
@@ -152,4 +157,5 @@ def test_list_keys(bare):
     # so only the stores themselves are compared here.
     bare.store.set("a", "1")
     bare.peer.set("b/c", "2")
+    bare.store.wait(["a", "b/c"])  # TCPStore's set is not acknowledged
     assert sorted(bare.store.list_keys()) == ["a", "b/c"]
