@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,29 +23,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from tests.ports import free_port
+from tests.ports import free_port, free_ports
 
 MiB = 1 << 20
-
-
-def free_port_with_grpc(offset: int = 10000) -> int:
-    """A free port ``p`` such that ``p + offset`` is free too.
-
-    SeaweedFS derives some gRPC addresses as "HTTP port + 10000" even when the
-    gRPC port is given explicitly, so both must be ours.
-    """
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        port = free_port()
-        if port + offset > 65535:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no free port pair (p, p+{offset}) found on 127.0.0.1 within 10 s")
 
 
 def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05) -> None:
@@ -210,7 +189,10 @@ class SeaweedServer:
         self.workdir = workdir
         self.data_dir = os.path.join(workdir, "data")
         self.log_path = os.path.join(workdir, "weed.log")
-        self.s3_port = free_port_with_grpc()
+        # SeaweedFS derives some gRPC addresses as "HTTP port + 10000" even when
+        # the gRPC port is given explicitly, so both must be ours; all five pairs
+        # are chosen at once so that no two of them collide.
+        self.s3_port, *others = free_ports(5, offset=10000)
         self.endpoint = S3Endpoint(
             name="seaweedfs",
             endpoint_url=f"http://127.0.0.1:{self.s3_port}",
@@ -220,7 +202,7 @@ class SeaweedServer:
         )
         # Fixed for the server's life, so a restart on the same data dir (after
         # kill -9) comes back on the same addresses its metadata remembers.
-        self.ports = {name: free_port_with_grpc() for name in ("master", "volume", "filer", "admin")}
+        self.ports = dict(zip(("master", "volume", "filer", "admin"), others))
         self._proc: subprocess.Popen | None = None
         self._log = None
 

@@ -151,7 +151,9 @@ def test_waits_are_bounded(tmp_path):
     with pytest.raises(SaveTimeout):
         saver.submit(make_snap(2), new_nonce())
     saver.close()  # does not wait a second time for the stuck save
-    assert time.monotonic() - t0 < 5
+    # Two 0.5 s waits, not one until the store gives in by itself (30 s): the
+    # bound sits between the two, with room for a busy machine, not a timing goal.
+    assert time.monotonic() - t0 < 20
     store.release.set()  # the store recovers: the save in flight completes, and the saver is usable again
     saver.flush()
     assert committed_steps(store) == [1]

@@ -184,7 +184,9 @@ def test_store_get_verified_checks_a_claimed_size_before_allocating_it(backend, 
     for claimed in (10**15, 2**62):
         with pytest.raises(BlobMismatch, match=rf"blobs/3-h/model\.safetensors.* has {size} bytes .*records {claimed}"):
             backend.store.get_verified("blobs/3-h/model.safetensors", size=claimed, sha256="0" * 64, chunk_size=chunk)
-    assert time.monotonic() - started < 10
+    # Not hashing or allocating the claimed 10**15 bytes (hours, or a MemoryError
+    # above); the margin is for a busy machine, not a timing goal.
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -108,11 +108,18 @@ def split_at_rank(agents: list[Agent], workers: list[dict], rank_test) -> tuple[
     return chosen, [a for a in agents if a is not chosen]
 
 
-def lose_node(victim: Agent, survivors: list[Agent], timeout: float) -> None:
-    """Kill ``victim``'s whole process tree, like a lost machine; every survivor must finish with 0."""
+def lose_node(victim: Agent, survivors: list[Agent], timeout: float,
+              observe: Callable[[], object] = lambda: None) -> object:
+    """Kill ``victim``'s whole process tree, like a lost machine; every survivor must finish with 0.
+
+    ``observe`` runs right after the kill, before the survivors finish, and its
+    result is returned: what a test reads there cannot change by the victim.
+    """
     victim.kill_tree()
+    seen = observe()
     for agent in survivors:
         assert agent.wait(timeout=timeout) == 0, agent.tail()
+    return seen
 
 
 def torchrun_agent(

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.ports import free_port
+from tests.ports import free_port, free_ports  # noqa: F401  (free_port: for the tests)
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -131,8 +131,7 @@ class EtcdServer:
     def __init__(self, data_dir: Path, tls: TlsFiles | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.tls = tls
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port, self.peer_port = free_ports(2)
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
         self.root_password: str | None = None

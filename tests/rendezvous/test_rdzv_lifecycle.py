@@ -101,7 +101,9 @@ def test_a_wait_for_a_lost_nodes_key_ends_within_seconds(etcd, run_id):
     started = time.monotonic()
     with pytest.raises(dist.DistStoreError, match="stopped waiting") as error:
         infos[0].store.get(f"torchelastic/role_info/{other}")
-    assert time.monotonic() - started < 15
+    # Well under the 60 s store timeout set above, so not that timeout; loose
+    # enough for a busy machine (the heartbeat expiry is 3 s).
+    assert time.monotonic() - started < 40
     assert str(b._this_node) in str(error.value)
     a.shutdown()
 

@@ -87,8 +87,11 @@ def test_node_holding_rank_0_lost_mid_training_survivors_continue(etcd, run_id, 
                  "two steps at world size 2", agents)
         full = first_world(read_jsonl(tmp_path / "workers.jsonl"), 2)
         victim, survivors = split_at_rank(agents, full, lambda rank: rank == 0)
-        step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
-        lose_node(victim, survivors, timeout=240)
+        # The last step read once the victim is dead, not before the kill: rank 0
+        # lived on the victim, and while the test was descheduled between a read
+        # and the kill it could write two more steps at world size 2.
+        step_at_kill = lose_node(victim, survivors, timeout=240,
+                                 observe=lambda: read_jsonl(tmp_path / "steps.jsonl")[-1]["step"])
     finally:
         stop_leftovers(agents)
 
@@ -121,8 +124,12 @@ def test_node_joins_running_job_then_another_node_is_lost(etcd, run_id, tmp_path
         grown = first_world(read_jsonl(tmp_path / "workers.jsonl"), 2)
         assert sorted(w["rank"] for w in grown) == [0, 1]
         victim, survivors = split_at_rank(agents, grown, lambda rank: rank != 0)
-        step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
-        lose_node(victim, survivors, timeout=240)
+        # The last step read once the victim is dead, not before the kill: rank 0
+        # (a survivor) writes steps at world size 2 until the kill, several while
+        # the test is descheduled between a read and the kill; after it, at most
+        # the one whose all_reduce had completed (the "+ 1" below).
+        step_at_kill = lose_node(victim, survivors, timeout=240,
+                                 observe=lambda: read_jsonl(tmp_path / "steps.jsonl")[-1]["step"])
     finally:
         stop_leftovers(agents)
     records = read_jsonl(tmp_path / "steps.jsonl")

@@ -109,10 +109,13 @@ def test_node_sigtermed_while_joining_costs_the_survivor_seconds_and_the_run_sta
         joiner.wait(timeout=30)
         steps_before = len(read_jsonl(tmp_path / "steps.jsonl"))
 
-        # The survivor runs again, alone, long before a 300 s store timeout.
-        wait_for(lambda: len(read_jsonl(tmp_path / "steps.jsonl")) > steps_before, 60,
-                 "the survivor to train again after the joiner was lost", [survivor])
-        assert time.monotonic() - lost_at < 60
+        # The survivor runs again, alone, long before a 300 s store timeout. One
+        # deadline counted from the loss: a clock check after a 60 s wait could
+        # fail although the wait passed (it started after the joiner's exit), and
+        # 150 s leaves a busy machine room for the worker restart (torch imports).
+        within = 150 - (time.monotonic() - lost_at)
+        wait_for(lambda: len(read_jsonl(tmp_path / "steps.jsonl")) > steps_before, within,
+                 "the survivor to train again within 150 s of losing the joiner", [survivor])
         assert not state().closed
 
         # A node started for the run now joins the running job.

@@ -43,12 +43,21 @@ def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, t
     def events() -> list[dict]:
         return read_events(str(events_path)) if events_path.exists() else []
 
+    def committed_at_world_3() -> dict | None:
+        """The first start at world size 3, once a checkpoint was committed after it."""
+        log = events()
+        first = next((i for i, e in enumerate(log) if e["event"] == "start" and e["world"] == 3), None)
+        if first is not None and any(e["event"] == "checkpoint_committed" for e in log[first:]):
+            return log[first]
+        return None
+
     agents = [trainer_agent(etcd.endpoint, run_id, tmp_path, nproc, f"node{nproc}") for nproc in (1, 2)]
     try:
-        wait_for(lambda: any(e["event"] == "checkpoint_committed" for e in events()), 300,
-                 "a checkpoint committed at world size 3", agents)
-        start = next(e for e in events() if e["event"] == "start")
-        assert start["world"] == 3
+        # Usually both nodes meet in the first round. But when one agent reaches
+        # etcd more than last_call_timeout (2 s) after the other (two torch imports
+        # on a busy machine), the first starts alone and the world grows to 3 when
+        # the other joins: wait for the world of 3, not for the first start.
+        start = wait_for(committed_at_world_3, 300, "a checkpoint committed at world size 3", agents)
         victim = next(a for a in agents if start["pid"] in a.descendants())
         survivor = next(a for a in agents if a is not victim)
         lose_node(victim, [survivor], timeout=400)
@@ -58,7 +67,9 @@ def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, t
     log = events()
     starts = [e for e in log if e["event"] == "start"]
     expected_world = 1 if victim is agents[1] else 2
-    assert [s["world"] for s in starts][0] == 3 and starts[-1]["world"] == expected_world
+    worlds = [s["world"] for s in starts]
+    assert 3 in worlds and starts[-1]["world"] == expected_world
+    assert set(worlds[: worlds.index(3)]) <= {1, 2}  # before it, one node alone, if any
     resumed = [e for e in log if e["event"] == "resume_plan"][-1]
     assert resumed["step"] > 0, "the survivor did not resume from a checkpoint"
     assert log[-1]["event"] == "end" and log[-1]["step"] == STEPS
