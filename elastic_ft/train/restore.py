@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -23,12 +24,14 @@ from elastic_ft.checkpoint.writer import retire
 from elastic_ft.events import EventLog
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.resume import incompatible_spec, shape_mismatches
-from elastic_ft.train.world import RunAborted, World, broadcast_from_leader, gather_from_all
+from elastic_ft.train.world import RunAborted, World, broadcast_from_leader, gather_from_all, settle
 
 if TYPE_CHECKING:
     from elastic_ft.checkpoint.store import ObjectStore
 
 log = logging.getLogger("elastic_ft.train.loop")  # the name these log lines always had
+# How long a rank that stops waits for the others to have logged why (see Restorer.abort).
+ABORT_SETTLE = timedelta(seconds=10)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str, torch.Tensor]:
@@ -130,11 +133,13 @@ class Restorer:
     def abort(self, reason: str) -> NoReturn:
         """Record ``reason`` now, on every rank, then raise :class:`RunAborted` with it.
 
-        Now, not on the way out: once the first rank exits, torchrun stops the
-        others, which may not get to print their error.
+        Now, not on the way out, and every rank waits (bounded) until all have
+        logged: once the first rank exits, torchrun stops the others, which may
+        not have printed their error yet.
         """
         self.events.emit("resume_failed", quiet=True, reason=reason)
         log.error("rank %d: %s", self.world.rank, reason)
+        settle(self.world, ABORT_SETTLE)
         raise RunAborted(reason)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -77,3 +78,19 @@ def sum_over_ranks(world: World, t: torch.Tensor) -> None:
     on_device = t.to(world.device)
     dist.all_reduce(on_device)
     t.copy_(on_device)
+
+
+def settle(world: World, timeout: timedelta) -> bool:
+    """Wait until every rank reaches this call, or ``timeout`` passes; True if all came.
+
+    For the way out of a run every rank leaves alike: once the first rank
+    exits, torchrun stops the others, which may not have printed their reason
+    yet. Bounded, so a rank that never comes costs ``timeout``, not a hang.
+    """
+    if not world.distributed:
+        return True
+    try:
+        dist.barrier(async_op=True).wait(timeout=timeout)
+    except RuntimeError:  # gloo's "Operation timed out!", or a peer gone
+        return False
+    return True
