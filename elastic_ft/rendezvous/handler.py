@@ -78,9 +78,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
 
-    # The etcd client under the store and backend (set by create_handler): shutdown()
-    # closes it. Kept here rather than read back from torch's private ``_store``.
-    _etcd_client: Any = None
+    etcd_client: Any = None
+    """The etcd client under the store and backend (set by :func:`create_handler`);
+    ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
 
     # Private torch attributes used below, each for want of a public interface
     # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
@@ -248,8 +248,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 done = True
             return self._leave() and done
         finally:
-            if self._etcd_client is not None:
-                self._etcd_client.close()
+            if self.etcd_client is not None:
+                self.etcd_client.close()
 
     def _leave(self) -> bool:
         """Remove this node from the rendezvous; on failure its heartbeat expires instead."""
@@ -318,7 +318,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=options.keep_alive_interval,
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
-    handler._etcd_client = client
+    handler.etcd_client = client
     # torch builds its own state holder; ours (same state, same backend) also
     # rides out etcd outages. The op executor holds it too. Private attributes:
     # from_backend takes no holder, and the constructor that does needs torch's
