@@ -38,11 +38,12 @@ def chunk_count(size: int, chunk_size: int) -> int:
     return -(-size // chunk_size)
 
 
-def _sha256(buffers: Iterable[memoryview | bytes]) -> hashlib._Hash:
+def _sha256(buffers: Iterable[memoryview | bytes]) -> bytes:
+    """The sha256 digest of the buffers in order (``.hex()`` of it is the hexdigest)."""
     h = hashlib.sha256()
     for buf in buffers:
         h.update(buf)  # hashlib releases the GIL for large buffers
-    return h
+    return h.digest()
 
 
 def _compose(chunk_digests: Iterable[bytes]) -> str:
@@ -56,11 +57,11 @@ def blob_sha256(data: Data, chunk_size: int, *, threads: int = 1) -> str:
     """
     segments = as_segments(data)
     if chunk_count(len(segments), chunk_size) == 1:
-        return _sha256(segments.buffers).hexdigest()
+        return _sha256(segments.buffers).hex()
     offsets = range(0, len(segments), chunk_size)
 
     def chunk(offset: int) -> bytes:
-        return _sha256(segments.views(offset, chunk_size)).digest()
+        return _sha256(segments.views(offset, chunk_size))
 
     if threads <= 1:
         return _compose(map(chunk, offsets))
@@ -107,7 +108,7 @@ class BlobDigest:
         if offset % size or (len(piece) % size and offset + len(piece) != self.size):
             raise ValueError(f"piece {offset}+{len(piece)} does not hold whole chunks of {size} bytes")
         for start in range(0, len(piece), size):
-            self._chunks[(offset + start) // size] = _sha256([piece[start : start + size]]).digest()
+            self._chunks[(offset + start) // size] = _sha256([piece[start : start + size]])
 
     def hexdigest(self) -> str:
         if not self.any_order:

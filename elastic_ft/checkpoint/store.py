@@ -241,19 +241,6 @@ register_scheme("file", "elastic_ft.checkpoint.local:open_local")
 register_scheme("s3", "elastic_ft.checkpoint.s3:S3Store.from_uri", checker="elastic_ft.checkpoint.s3:parse_s3_uri")
 
 
-def __getattr__(name: str) -> Any:
-    """``LocalStore`` moved to :mod:`elastic_ft.checkpoint.local`; still importable from here.
-
-    Imported on access, not at module level: :mod:`~elastic_ft.checkpoint.local`
-    imports this module, and this one must import no backend.
-    """
-    if name == "LocalStore":
-        from elastic_ft.checkpoint.local import LocalStore
-
-        return LocalStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "BlobMismatch",
     "ObjectExists",

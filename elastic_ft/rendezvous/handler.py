@@ -78,6 +78,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
 
+    etcd_client: Any = None
+    """The etcd client under the store and backend (set by :func:`create_handler`);
+    ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
+
+    # Private torch attributes used below, each for want of a public interface
+    # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
+    # ``_state_holder`` (the rendezvous state, to judge lost and closed nodes),
+    # ``_heartbeat_lock`` (the keep-alive thread syncs that holder too),
+    # ``_this_node`` (this node's descriptor), ``_op_executor`` (to run LeaveOp),
+    # ``_stop_heartbeats()`` (shutdown() without closing) and the ``_get_store()``
+    # hook (the one call made when a round completes).
+
     @property
     def use_agent_store(self) -> bool:
         """Workers must not look for a store on the agent: it lives in etcd."""
@@ -102,14 +114,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 log.warning(
                     "etcd is unreachable; the workers of rendezvous %r go on training and "
                     "membership changes wait until etcd answers again (%s)",
-                    self._settings.run_id,
+                    self.settings.run_id,
                     exc.__cause__,
                 )
             self._etcd_away = True
             return 0
         if self._etcd_away:
             log.warning("etcd answers again; rendezvous %r watches membership as before.",
-                        self._settings.run_id)
+                        self.settings.run_id)
             self._etcd_away = False
         return waiting
 
@@ -121,7 +133,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             RendezvousClosedError: the job that closed the rendezvous still had
                 live nodes when the join timeout passed (the message names them).
         """
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        deadline = time.monotonic() + self.settings.timeout.join.total_seconds()
         while True:
             try:
                 info = super().next_rendezvous()
@@ -134,7 +146,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     raise
                 log.warning(
                     "Rendezvous %r: %s Starting a new round without the lost node(s).",
-                    self._settings.run_id,
+                    self.settings.run_id,
                     exc,
                 )
 
@@ -151,7 +163,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         info.store.wait([f"{_MET_PREFIX}{rank}" for rank in range(info.world_size)])
 
     def _get_store(self) -> Store:
-        """See base class; called once a round is complete: remember its members."""
+        """See base class (a private hook: torch calls it once a round is complete); remember its members."""
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
         return super()._get_store()
@@ -161,7 +173,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         age) right after an etcd outage, which held every heartbeat up."""
         if not self._state_holder.heartbeats_count():
             return None
-        return self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        return self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt
 
     def _lost_writers(self) -> str | None:
         """The store's writer check: why this round's nodes cannot all meet, or None.
@@ -178,7 +190,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 state = self._state_holder.state
         except RendezvousError as exc:
             log.warning(
-                "Could not read rendezvous %r to check its nodes: %s", self._settings.run_id, exc
+                "Could not read rendezvous %r to check its nodes: %s", self.settings.run_id, exc
             )
             return None
         now = datetime.now(timezone.utc)
@@ -199,18 +211,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 reopen(state)
                 self._state_holder.mark_dirty()
                 if self._state_holder.sync():
-                    log.info("Rendezvous %r: %s.", self._settings.run_id, decision.reason)
+                    log.info("Rendezvous %r: %s.", self.settings.run_id, decision.reason)
                     return
                 continue  # another node wrote first: judge its state
             if time.monotonic() > deadline:
                 raise RendezvousClosedError(
-                    f"The rendezvous {self._settings.run_id!r} is closed: {decision.reason} after "
-                    f"the join timeout ({self._settings.timeout.join}). Submit again once they "
+                    f"The rendezvous {self.settings.run_id!r} is closed: {decision.reason} after "
+                    f"the join timeout ({self.settings.timeout.join}). Submit again once they "
                     f"have exited, or use another run id."
                 )
             if not announced:
                 log.info(
-                    "Rendezvous %r: %s; waiting for them.", self._settings.run_id, decision.reason
+                    "Rendezvous %r: %s; waiting for them.", self.settings.run_id, decision.reason
                 )
                 announced = True
             time.sleep(1)  # as torch's own polling of the state
@@ -232,18 +244,17 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 done = super().shutdown()  # stops the heartbeats, then closes
             else:
                 self._stop_heartbeats()
-                log.info("Rendezvous %r: not closing it: %s.", self._settings.run_id, reason)
+                log.info("Rendezvous %r: not closing it: %s.", self.settings.run_id, reason)
                 done = True
             return self._leave() and done
         finally:
-            client = getattr(self._store, "client", None)
-            if client is not None:
-                client.close()
+            if self.etcd_client is not None:
+                self.etcd_client.close()
 
     def _leave(self) -> bool:
         """Remove this node from the rendezvous; on failure its heartbeat expires instead."""
         try:
-            deadline = time.monotonic() + self._settings.timeout.close.total_seconds()
+            deadline = time.monotonic() + self.settings.timeout.close.total_seconds()
             self._op_executor.run(LeaveOp(), deadline)
             return True
         except RendezvousError as exc:
@@ -251,7 +262,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 "Node %s could not leave rendezvous %r (%s: %s); the others drop it once its "
                 "heartbeat is stale.",
                 self._this_node,
-                self._settings.run_id,
+                self.settings.run_id,
                 type(exc).__name__,
                 exc,
             )
@@ -307,9 +318,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=options.keep_alive_interval,
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
+    handler.etcd_client = client
     # torch builds its own state holder; ours (same state, same backend) also
-    # rides out etcd outages. The op executor holds it too.
-    holder = OutageTolerantStateHolder(backend, handler._settings, lambda: client.last_outage)
+    # rides out etcd outages. The op executor holds it too. Private attributes:
+    # from_backend takes no holder, and the constructor that does needs torch's
+    # private node descriptor (_NodeDesc), which from_backend generates.
+    holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage)
     handler._state_holder = handler._op_executor._state_holder = holder
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.
     store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)

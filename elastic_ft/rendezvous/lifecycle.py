@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Collection
 
+# Private torch names: the rendezvous state and the op protocol (a context in,
+# an action out) that LeaveOp implements have no public counterparts in torch 2.13.
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _Action,
     _RendezvousContext,

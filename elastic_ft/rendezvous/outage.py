@@ -28,6 +28,9 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+# Private torch classes: the handler's state holder is the only place that reads
+# and writes the state for every node operation, and torch offers no public
+# holder or hook to subclass (see OutageTolerantStateHolder).
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
@@ -82,6 +85,12 @@ def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
 class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder that drops no node right after an outage and repairs a lost state.
 
+    It relies on torch's private holder (pinned torch 2.13): ``_state`` is
+    assigned to write back a lost state (the ``state`` property has no
+    setter), ``_token`` tells whether the last sync found the key (sync()
+    returns no such thing), and ``_sanitize()`` is the hook where torch drops
+    nodes with stale heartbeats.
+
     Args:
         backend: the rendezvous backend.
         settings: torch's rendezvous settings.
@@ -96,22 +105,23 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         outages: Callable[[], Outage | None],
     ) -> None:
         super().__init__(backend, settings)
+        self.settings = settings  # our own reference, not torch's private _settings
         self._outages = outages
 
     def sync(self) -> bool | None:
         """See base class; writes back the last state read if etcd lost it."""
-        previous = self._state
+        previous = self.state
         has_set = super().sync()
         # No token after a sync: the key was absent (get_state or set_state gave None).
         if lost_running_state(previous, key_exists=self._token is not None):
             log.warning(
                 "The rendezvous state of %r is gone from etcd while round %d runs "
                 "(etcd lost its data?); writing back the last state this node read.",
-                self._settings.run_id,
+                self.settings.run_id,
                 previous.round,
             )
             self._state = previous
-            self._dirty = True  # with no token: written only if the key is still absent
+            self.mark_dirty()  # with no token: written only if the key is still absent
             has_set = super().sync()
         return has_set
 
@@ -121,7 +131,7 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         Every decision from heartbeats asks this: torch's dropping of dead
         nodes here, and the handler's lost-node and closed-rendezvous checks.
         """
-        settings = self._settings
+        settings = self.settings
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
         return heartbeats_may_expire(self._outages(), time.time(), expiry)
 
