@@ -238,7 +238,7 @@ def join_uri(base: str, *parts: str) -> str:
 
 
 register_scheme("file", "elastic_ft.checkpoint.local:open_local")
-register_scheme("s3", "elastic_ft.checkpoint.s3:S3Store.from_uri", checker="elastic_ft.checkpoint.s3:parse_s3_uri")
+register_scheme("s3", "elastic_ft.checkpoint.s3.store:S3Store.from_uri", checker="elastic_ft.checkpoint.s3.uri:parse_s3_uri")
 
 
 def __getattr__(name: str) -> Any:
