@@ -20,7 +20,7 @@ What this adds over a plain ``put_object``/``get_object``, and where it lives:
   nobody classified) :class:`StoreUnavailable`: the store could not answer,
   and callers must not conclude anything about the object.
 - :mod:`.options`: every setting in one frozen dataclass, :class:`S3Options`
-  (endpoint, region, profile, server-side encryption, part sizes,
+  (endpoint, region, server-side encryption, part sizes,
   concurrency, retry budget, timeouts): explicit settings (the job spec's
   ``checkpoint.s3`` section) win over the environment
   (``ELASTIC_FT_S3_SSE``, ``ELASTIC_FT_S3_SSE_KMS_KEY_ID``), which wins over
@@ -35,10 +35,27 @@ with :meth:`S3Store.from_uri`; nothing here is imported until one is used.
 
 from __future__ import annotations
 
-from elastic_ft.checkpoint.s3.errors import is_transient
-from elastic_ft.checkpoint.s3.options import ENV_SSE, ENV_SSE_KMS_KEY_ID, S3Options, default_concurrency
-from elastic_ft.checkpoint.s3.store import S3Store
-from elastic_ft.checkpoint.s3.uri import parse_s3_uri
+import importlib
+from typing import Any
 
-__all__ = ["ENV_SSE", "ENV_SSE_KMS_KEY_ID", "S3Options", "S3Store", "default_concurrency", "is_transient",
-           "parse_s3_uri"]
+# Imported on first access (PEP 562), so that the job spec can use
+# :class:`S3Options` without loading the store, its HTTP stack and boto3.
+_EXPORTS = {
+    "ENV_SSE": "options",
+    "ENV_SSE_KMS_KEY_ID": "options",
+    "S3Options": "options",
+    "default_concurrency": "options",
+    "S3Store": "store",
+    "is_transient": "errors",
+    "parse_s3_uri": "uri",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -8,12 +8,13 @@ from typing import Any
 from elastic_ft.checkpoint.s3.options import S3Options
 
 
-def make_client(options: S3Options) -> Any:
+def make_client(options: S3Options, profile: str | None = None) -> Any:
     """A boto3 S3 client from the standard configuration and ``options``, with botocore's retries off.
 
     An unset ``endpoint_url`` lets boto3 apply ``AWS_ENDPOINT_URL_S3`` /
     ``AWS_ENDPOINT_URL`` and the profile's ``endpoint_url`` itself; an unset
-    profile and region are boto3's too. Credentials are always boto3's chain.
+    region is boto3's too. Credentials are boto3's chain, from the named
+    ``profile`` if given (default: ``AWS_PROFILE``).
     """
     import boto3
     import botocore.session
@@ -33,7 +34,7 @@ def make_client(options: S3Options) -> Any:
     # again for every store doubles the cost of opening one.
     core = botocore.session.Session()
     core.register_component("data_loader", _shared_loader())
-    session = boto3.session.Session(botocore_session=core, profile_name=options.profile)
+    session = boto3.session.Session(botocore_session=core, profile_name=profile)
     return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
 
 

@@ -9,9 +9,13 @@ then the environment, then the default below. The environment variables:
 ``ELASTIC_FT_S3_SSE_KMS_KEY_ID``
     KMS key id/ARN/alias; read when ``sse_kms_key_id`` is unset. A key alone implies ``aws:kms``.
 
-Endpoint, region and profile left unset are boto3's own (``AWS_ENDPOINT_URL_S3``,
-``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``, ``~/.aws/config``).
-Credentials are never a setting here: they always come from boto3's chain.
+Endpoint and region left unset are boto3's own (``AWS_ENDPOINT_URL_S3``,
+``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``~/.aws/config``). Credentials (and
+the profile that selects them) are never a setting here, so never in a job
+spec: they come from boto3's chain (``AWS_PROFILE``, environment, instance role).
+
+The job spec's ``checkpoint.s3`` section is this dataclass
+(:class:`elastic_ft.config.CheckpointConfig`), bounded by ``config.LIMITS``.
 
 Validation (:meth:`S3Options.problems`) is a pure function returning (field,
 sentence) pairs, so the store and the job spec report the same rules, each
@@ -23,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from elastic_ft.checkpoint.errors import StoreError
 
@@ -58,12 +62,10 @@ class S3Options:
 
     endpoint_url: str | None = None
     """Endpoint override (default: boto3's, which honours ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``)."""
-    profile: str | None = None
-    """A named AWS profile (default: boto3's, i.e. ``AWS_PROFILE``)."""
     region: str | None = None
     """A region name (default: boto3's)."""
-    sse: str | None = None
-    """``'AES256'``, ``'aws:kms'`` or ``'none'`` (default: ``ELASTIC_FT_S3_SSE``, else none)."""
+    sse: Literal["AES256", "aws:kms", "none"] | None = None
+    """``'AES256'`` (SSE-S3), ``'aws:kms'`` (SSE-KMS) or ``'none'`` (default: ``ELASTIC_FT_S3_SSE``, else none)."""
     sse_kms_key_id: str | None = None
     """KMS key for SSE-KMS (default: ``ELASTIC_FT_S3_SSE_KMS_KEY_ID``)."""
     # 8 MiB threshold and parts (boto3 upload_file/download_file defaults): measured by

@@ -29,6 +29,8 @@ class S3Store(ObjectStore):
         prefix: the key prefix of this store's root ('' or ending in '/'; one is added).
         client: a boto3 S3 client to use (its owner closes it); by default one
             is built from ``options`` with botocore's retries off.
+        profile: the named AWS profile the built client's credentials come
+            from (default: boto3's, i.e. ``AWS_PROFILE``); never a setting.
         uri: the URI for messages (default ``s3://bucket/prefix``).
         options: the settings (:class:`S3Options`); unset fields fall back to
             the environment, then the defaults.
@@ -43,6 +45,7 @@ class S3Store(ObjectStore):
         prefix: str = "",
         *,
         client: Any = None,
+        profile: str | None = None,
         uri: str | None = None,
         options: S3Options | None = None,
         **settings: Any,
@@ -55,7 +58,7 @@ class S3Store(ObjectStore):
         resolved.check(f"S3 store for {uri}")
         self._owns_client = client is None
         self._target = S3Target(
-            client=make_client(resolved) if client is None else client,
+            client=make_client(resolved, profile) if client is None else client,
             bucket=bucket, prefix=prefix, uri=uri, options=resolved,
         )
         self.bucket, self.prefix, self.uri, self.options = bucket, prefix, uri, resolved
