@@ -77,3 +77,21 @@ def test_explicit_settings_win_over_the_environment_which_wins_over_defaults():
     assert only_key.sse_args == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/env"}
     assert S3Options.resolve({"max_concurrency": 3}, environ={}).max_concurrency == 3
     assert S3Options.resolve({}, environ={}).max_concurrency >= 1  # the CPU-based default, resolved
+
+
+def test_open_store_passes_only_the_uris_own_schemes_settings(tmp_path, monkeypatch):
+    from elastic_ft.checkpoint.local import LocalStore
+    from elastic_ft.checkpoint.s3 import S3Store
+    from elastic_ft.checkpoint.store import open_store
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")  # a client is built, nothing is sent
+    monkeypatch.delenv(ENV_SSE, raising=False)
+    monkeypatch.delenv(ENV_SSE_KMS_KEY_ID, raising=False)
+    settings = spec_from_dict(BASE, overrides=["checkpoint.s3.max_concurrency=3", "checkpoint.s3.sse=AES256"])
+    s3 = open_store("s3://bucket/runs", settings.checkpoint.store_settings())
+    try:
+        assert type(s3) is S3Store
+        assert s3.max_concurrency == 3 and s3.sse_args == {"ServerSideEncryption": "AES256"}
+    finally:
+        s3.close()
+    assert type(open_store(str(tmp_path), settings.checkpoint.store_settings())) is LocalStore

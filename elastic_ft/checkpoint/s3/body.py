@@ -61,8 +61,9 @@ def _socket_reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[],
     twice more than this one: ``StreamingBody.readinto`` calls urllib3's
     ``readinto``, which reads a temporary ``bytes`` of the size asked
     (``http.client`` allocates and fills it) and copies it into the target.
-    bench/checkpoint.py measured the load throughput both ways (figures in the
-    closing note of issue 10). Used only for a body that is not
+    Measured here (a verified 1 GiB get from SeaweedFS on 2 cores, 7 runs
+    alternating): 1.15 s this way, 1.36 s through ``readinto`` in 256 KiB
+    pieces, 1.24 s in 1 MiB pieces. Used only for a body that is not
     content-encoded (then the socket's bytes are the object's); ``release``
     hands the connection back to urllib3's pool once the body is read to its
     end, as urllib3 does when it reads the end itself. None, and the public
