@@ -18,6 +18,8 @@ from typing import Literal
 import yaml
 
 from elastic_ft.bounds import Bound, out_of_range, show_value as _show
+# The S3 store's settings are the spec's checkpoint.s3 section; importing them loads no store or boto3.
+from elastic_ft.checkpoint.s3.options import S3Options
 from elastic_ft.names import name_problem
 from elastic_ft.spec_types import build_dataclass
 from elastic_ft.spec_yaml import YamlInputError, load_yaml, read_yaml_file
@@ -137,6 +139,15 @@ class CheckpointConfig:
     """This many failed saves in a row stop the run with an error naming the last cause (1 to 100)."""
     save_timeout_s: float = 1800.0
     """Longest wait for one save (upload and commit, every rank's part) before the run stops (1 to 86400 s)."""
+    s3: S3Options = dataclasses.field(default_factory=S3Options)
+    """Settings of an ``s3://`` checkpoint URI's store (SSE, KMS key, part sizes, concurrency, retries,
+    timeouts, endpoint, region); unused for ``file://``. Null fields fall back to the environment
+    (``ELASTIC_FT_S3_SSE``, ``ELASTIC_FT_S3_SSE_KMS_KEY_ID``, boto3's ``AWS_*``): a value set here wins.
+    Never credentials: those come from boto3's chain."""
+
+    def store_settings(self) -> dict[str, dict]:
+        """Per-scheme store settings for :func:`elastic_ft.checkpoint.store.open_store`."""
+        return {"s3": {"options": self.s3}}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -189,6 +200,7 @@ MAX_STEPS = 10**9
 """Steps of a run (and step counts like warm-up and cadence); manifest keys hold 12 digits."""
 MAX_BATCH = 2**24
 """Samples in one step; the trainer also refuses more than the dataset holds."""
+_MiB, _GiB = 2**20, 2**30
 
 
 # Every numeric field of the spec, so no input can make the trainer allocate,
@@ -220,6 +232,16 @@ LIMITS: dict[str, Bound] = {
     "checkpoint.orphan_grace_s": Bound(0.0, 1e8),
     "checkpoint.max_failed_saves": Bound(1, 100),
     "checkpoint.save_timeout_s": Bound(1.0, 86400.0),
+    # S3's own limits: parts of 5 MiB to 5 GiB, and a single PUT (below the threshold) of 5 GiB at most.
+    "checkpoint.s3.multipart_threshold": Bound(5 * _MiB, 5 * _GiB),
+    "checkpoint.s3.part_size": Bound(5 * _MiB, 5 * _GiB),
+    "checkpoint.s3.download_part_size": Bound(64 * 1024, 5 * _GiB),
+    "checkpoint.s3.max_concurrency": Bound(1, 64),
+    "checkpoint.s3.max_attempts": Bound(1, 100),
+    "checkpoint.s3.backoff_initial": Bound(0.0, 60.0, lo_open=True),
+    "checkpoint.s3.backoff_max": Bound(0.0, 3600.0, lo_open=True),
+    "checkpoint.s3.connect_timeout": Bound(0.0, 3600.0, lo_open=True),
+    "checkpoint.s3.read_timeout": Bound(0.0, 3600.0, lo_open=True),
     "logging.every_steps": Bound(1, MAX_STEPS),
 }
 
@@ -366,6 +388,11 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(_only_run_id_placeholder(spec.logging.dir), "logging.dir",
          f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
     p.extend(out_of_range(spec, LIMITS))
+    reported = {field for field, _ in p}
+    # The store's own rules (threshold >= part size, the SSE pair): checked again, with the
+    # environment's values, when the store opens; here before any work, naming the field.
+    p.extend((f"checkpoint.s3.{field}", msg) for field, msg in spec.checkpoint.s3.problems()
+             if f"checkpoint.s3.{field}" not in reported)
     for i, f in enumerate(d.files if check_files else ()):
         need(os.path.isfile(f) or "://" in f, f"data.files[{i}]", f"file {f!r} does not exist")
     return p
@@ -378,3 +405,4 @@ def _only_run_id_placeholder(template: str) -> bool:
     except (KeyError, IndexError, ValueError, AttributeError):
         return False
     return True
+

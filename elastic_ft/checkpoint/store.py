@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 import os
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_ft.checkpoint.digest import blob_sha256
@@ -216,17 +216,19 @@ def _file_path(uri: str) -> str:
     return path
 
 
-def open_store(uri: str) -> ObjectStore:
+def open_store(uri: str, settings: Mapping[str, Mapping[str, Any]] | None = None) -> ObjectStore:
     """Open the store for a run's URI: ``file:///abs/dir``, a plain path, ``s3://bucket/prefix``,
     or any scheme added with :func:`register_scheme`.
 
     The URI is checked first (:func:`check_uri`), so every scheme refuses a
     malformed URI with the same errors, then the scheme's opener is imported
-    and called with it.
+    and called with it. ``settings`` maps a scheme to keyword settings for its
+    opener (``{"s3": {"sse": "aws:kms"}}``, from the job spec's checkpoint
+    section); only the URI's own scheme's are passed, and none if it has none.
     """
     check_uri(uri)
-    _scheme, entry = _scheme_of(uri)
-    return _resolve(entry.opener)(uri)
+    scheme, entry = _scheme_of(uri)
+    return _resolve(entry.opener)(uri, **dict((settings or {}).get(scheme) or {}))
 
 
 def join_uri(base: str, *parts: str) -> str:
@@ -238,7 +240,7 @@ def join_uri(base: str, *parts: str) -> str:
 
 
 register_scheme("file", "elastic_ft.checkpoint.local:open_local")
-register_scheme("s3", "elastic_ft.checkpoint.s3:S3Store.from_uri", checker="elastic_ft.checkpoint.s3:parse_s3_uri")
+register_scheme("s3", "elastic_ft.checkpoint.s3.store:S3Store.from_uri", checker="elastic_ft.checkpoint.s3.uri:parse_s3_uri")
 
 
 __all__ = [

@@ -67,7 +67,7 @@ class Trainer:
         self.events = EventLog(
             os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
         )
-        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id))
+        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         self.tokenizer, self.model = model_mod.build(spec)
         self.model.to(world.device)
         self.data = data_mod.load(spec.data, self.tokenizer)

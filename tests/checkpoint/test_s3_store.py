@@ -14,7 +14,8 @@ import pytest
 from botocore.response import StreamingBody
 
 from elastic_ft.checkpoint.digest import BlobDigest, blob_sha256
-from elastic_ft.checkpoint.s3 import S3Store, _read_into, default_concurrency, parse_s3_uri
+from elastic_ft.checkpoint.s3 import S3Store, default_concurrency, parse_s3_uri
+from elastic_ft.checkpoint.s3.body import read_into as _read_into
 from elastic_ft.checkpoint.store import StoreError, StoreUnavailable, open_store
 
 try:
