@@ -1,0 +1,176 @@
+"""The job spec's sections, one dataclass each; :class:`JobSpec` holds them all.
+
+Every field has a docstring (the spec's reference); its bounds are in
+:mod:`elastic_ft.config.limits`, its cross-field rules in
+:mod:`elastic_ft.config.validation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Literal
+
+# The S3 store's settings are the spec's checkpoint.s3 section; importing them loads no store or boto3.
+from elastic_ft.checkpoint.s3.options import S3Options
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    name_or_path: str | None = None
+    """A local model directory or a hub name (``AutoModelForCausalLM.from_pretrained``)."""
+    config: dict | None = None
+    """Inline ``transformers`` config (with ``model_type``) for a from-scratch model, initialised from ``seed``."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub name; default: ``name_or_path``, or the built-in byte tokenizer for inline configs."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the base model."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    files: list[str] = dataclasses.field(default_factory=list)
+    """Local json/jsonl/parquet/text files; relative paths are resolved against the spec file's directory."""
+    dataset: str | None = None
+    """A hub dataset name for ``datasets.load_dataset`` (instead of ``files``)."""
+    split: str = "train"
+    """Dataset split to train on."""
+    format: Literal["json", "parquet", "text"] | None = None
+    """File format; inferred from the first file's extension when unset."""
+    text_field: str = "text"
+    """Field holding the training text (when prompt/response fields are unset)."""
+    prompt_field: str | None = None
+    """Field holding the prompt; with ``response_field`` the loss covers the response only."""
+    response_field: str | None = None
+    """Field holding the response."""
+    max_length: int = 128
+    """Tokens per sample (longer texts are truncated; with packing, the block size)."""
+    packing: bool = False
+    """Concatenate texts and cut them into ``max_length`` blocks (no padding)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoraConfig:
+    r: int = 8
+    """LoRA rank."""
+    alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names to adapt."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW (at the reference world for ``scale_with_world``)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of the peak."""
+    grad_clip: float | None = 1.0
+    """Max global gradient norm; null disables clipping."""
+    max_nonfinite_steps: int = 3
+    """A step whose gradient norm (or loss) is NaN or infinite skips its update; this many such
+    steps in a row stop the run with an error (1 to 1000). Not part of the config hash."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class BatchConfig:
+    global_batch: int = 16
+    """Samples per optimizer step (for ``scale_with_world``: at ``reference_world``)."""
+    micro_batch: int = 4
+    """Max samples per forward/backward on one rank; more are accumulated."""
+    policy: Literal["constant_global", "scale_with_world"] = "constant_global"
+    """How batch and LR follow the world size (see DESIGN.md, Batch and LR)."""
+    lr_scaling: Literal["linear", "sqrt"] = "linear"
+    """LR rule for ``scale_with_world``: lr * (world/reference_world) or its square root."""
+    reference_world: int = 1
+    """World size at which ``global_batch`` and ``lr`` are stated (``scale_with_world``)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int | None = 10
+    """Commit a checkpoint every N steps (null: never by steps)."""
+    every_seconds: float | None = None
+    """Commit a checkpoint when this long has passed since the last one (null: never by time)."""
+    keep_last: int | None = 3
+    """Committed checkpoints to keep (null: keep all)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (null: none extra)."""
+    orphan_grace_s: float = 3600.0
+    """Blobs no manifest references are deleted once older than this (a save in flight is younger)."""
+    save_final: bool = True
+    """Commit a checkpoint at the last step."""
+    async_save: bool = True
+    """Upload in the background (training blocks only for the copy to host memory)."""
+    if_busy: Literal["wait", "skip"] = "wait"
+    """When a save is due while the previous one is still uploading: wait for it, or skip this one."""
+    max_failed_saves: int = 3
+    """This many failed saves in a row stop the run with an error naming the last cause (1 to 100)."""
+    save_timeout_s: float = 1800.0
+    """Longest wait for one save (upload and commit, every rank's part) before the run stops (1 to 86400 s)."""
+    s3: S3Options = dataclasses.field(default_factory=S3Options)
+    """Settings of an ``s3://`` checkpoint URI's store (SSE, KMS key, part sizes, concurrency, retries,
+    timeouts, endpoint, region); unused for ``file://``. Null fields fall back to the environment
+    (``ELASTIC_FT_S3_SSE``, ``ELASTIC_FT_S3_SSE_KMS_KEY_ID``, boto3's ``AWS_*``): a value set here wins.
+    Never credentials: those come from boto3's chain."""
+
+    def store_settings(self) -> dict[str, dict]:
+        """Per-scheme store settings for :func:`elastic_ft.checkpoint.store.open_store`."""
+        return {"s3": {"options": self.s3}}
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    dir: str = "runs/{run_id}/logs"
+    """Directory of events.jsonl; ``{run_id}`` is substituted; relative to the working directory."""
+    every_steps: int = 1
+    """Progress line every N steps."""
+    ledger: bool = False
+    """Log the sample ids of every step as events, to prove exactly-once consumption."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobSpec:
+    name: str = "job"
+    """The job's name; also the default run id."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    lora: LoraConfig | None = dataclasses.field(default_factory=LoraConfig)
+    """LoRA settings; null means a full fine-tune."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
+    steps: int | None = None
+    """Optimizer steps to train (or set ``epochs``)."""
+    epochs: float | None = None
+    """Passes over the data (used when ``steps`` is null)."""
+    seed: int = 0
+    """Seed for model init and the data order."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable hash of what determines the training result (not logging or checkpoint cadence)."""
+        d = self.to_dict()
+        # Cadence, logging and run length may change between restarts (extend a run
+        # with steps=...) without making the checkpoint a different training.
+        for volatile in ("logging", "checkpoint", "name", "steps", "epochs"):
+            d.pop(volatile, None)
+        d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,58 @@
+"""Range and consistency rules of the job spec that types alone cannot express."""
+
+from __future__ import annotations
+
+import os
+
+from elastic_ft.bounds import out_of_range, show_value as _show
+from elastic_ft.config.limits import LIMITS
+from elastic_ft.config.sections import JobSpec
+from elastic_ft.names import name_problem
+
+
+def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]]:
+    """Range and consistency checks that types alone cannot express."""
+    p: list[tuple[str, str]] = []
+
+    def need(cond: bool, field: str, msg: str) -> None:
+        if not cond:
+            p.append((field, msg))
+
+    m, d, o, b = spec.model, spec.data, spec.optimizer, spec.batch
+    need(bool(m.name_or_path) != bool(m.config), "model",
+         "set exactly one of model.name_or_path and model.config")
+    if m.config is not None:
+        need("model_type" in m.config, "model.config.model_type", "is required (e.g. llama)")
+    need(bool(d.files) != bool(d.dataset), "data", "set exactly one of data.files and data.dataset")
+    need((d.prompt_field is None) == (d.response_field is None), "data.response_field",
+         "prompt_field and response_field must be set together")
+    if spec.lora is not None:
+        need(bool(spec.lora.target_modules), "lora.target_modules", "must name at least one module")
+    need(len(o.betas) == 2, "optimizer.betas", f"must be two numbers, got {_show(o.betas)}")
+    if b.policy == "scale_with_world" and b.global_batch > 0 and b.reference_world > 0:
+        need(b.global_batch % b.reference_world == 0, "batch.global_batch",
+             f"must be a multiple of batch.reference_world ({b.reference_world}) for scale_with_world, "
+             f"got {b.global_batch}")
+    need((spec.steps is None) != (spec.epochs is None), "steps", "set exactly one of steps and epochs")
+    problem = name_problem(spec.name) if check_files else None
+    need(problem is None, "name", f"{problem} (it is the default run id)")
+    need(_only_run_id_placeholder(spec.logging.dir), "logging.dir",
+         f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
+    p.extend(out_of_range(spec, LIMITS))
+    reported = {field for field, _ in p}
+    # The store's own rules (threshold >= part size, the SSE pair): checked again, with the
+    # environment's values, when the store opens; here before any work, naming the field.
+    p.extend((f"checkpoint.s3.{field}", msg) for field, msg in spec.checkpoint.s3.problems()
+             if f"checkpoint.s3.{field}" not in reported)
+    for i, f in enumerate(d.files if check_files else ()):
+        need(os.path.isfile(f) or "://" in f, f"data.files[{i}]", f"file {f!r} does not exist")
+    return p
+
+
+def _only_run_id_placeholder(template: str) -> bool:
+    # logging.dir is str.format-ed with run_id: any other {field} would raise at start-up.
+    try:
+        template.format(run_id="x")
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return False
+    return True
