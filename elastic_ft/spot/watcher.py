@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
@@ -165,28 +166,68 @@ class Watcher:
         log.warning("spot: %s notice from IMDS, time left %s%s", notice.kind, left, extra)
 
 
-def install_sigterm(board: NoticeBoard, *, grace_s: float, wall: Callable[[], float] = time.time
-                    ) -> Callable[[], None]:
-    """Make SIGTERM post a ``sigterm`` notice due in ``grace_s``; returns the function that undoes it.
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""The status of a worker that gave up waiting for a step boundary after SIGTERM (as a shell reports death by it)."""
 
-    Only the main thread may install handlers; elsewhere this does nothing
-    (returns a no-op). Once SIGTERM is handled this way the process no longer
-    dies of it: the training loop must act on the notice (torchrun SIGKILLs
-    its workers 30 s after it forwards SIGTERM, which bounds a loop that does not).
+
+class SigtermHandler:
+    """SIGTERM as a notice: posts a ``sigterm`` notice due in ``grace_s``, and makes sure the process still ends.
+
+    Once SIGTERM is handled, the process no longer dies of it: the training
+    loop must reach a step boundary and act. A loop blocked in a collective
+    with a peer that is gone (no TCP reset) would hold the agent up until its
+    SIGKILL 30 s later, where the default action ended the worker at once; so
+    if :meth:`answering` is not called within ``boundary_s`` of the signal, the
+    process exits with :data:`SIGTERM_EXIT_CODE`, as it would have without us.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
 
-    def on_sigterm(signum, frame) -> None:
-        now = wall()
-        if board.post(Notice("sigterm", now + grace_s, now, "sigterm")):
+    def __init__(self, board: NoticeBoard, *, grace_s: float, boundary_s: float,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.board, self.grace_s, self.boundary_s, self.wall = board, grace_s, boundary_s, wall
+        self._timer: threading.Timer | None = None
+        self._answered = threading.Event()
+        self._previous = None
+        self.installed = False
+
+    def install(self) -> "SigtermHandler":
+        """Only the main thread may install handlers; elsewhere this does nothing."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.installed = True
+        return self
+
+    def answering(self) -> None:
+        """The loop has reached a boundary and is acting on the notice: no exit behind its back."""
+        self._answered.set()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def restore(self) -> None:
+        self.answering()
+        if self.installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous)
+        self.installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        now = self.wall()
+        if self.board.post(Notice("sigterm", now + self.grace_s, now, "sigterm")):
             log.warning("spot: SIGTERM received; committing and leaving at the next step boundary")
+        if not self._answered.is_set() and self._timer is None:
+            self._timer = threading.Timer(self.boundary_s, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    def _give_up(self) -> None:
+        if self._answered.is_set():
+            return
+        log.error("spot: no step boundary within %g s of SIGTERM (a collective stuck on a lost peer?); exiting "
+                  "as SIGTERM would have, without a checkpoint", self.boundary_s)
+        logging.shutdown()
+        os._exit(SIGTERM_EXIT_CODE)
 
-    def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous)
 
-    return restore
+def install_sigterm(board: NoticeBoard, *, grace_s: float, boundary_s: float = 10.0,
+                    wall: Callable[[], float] = time.time) -> SigtermHandler:
+    """Make SIGTERM post a notice (see :class:`SigtermHandler`); ``restore()`` on the result undoes it."""
+    return SigtermHandler(board, grace_s=grace_s, boundary_s=boundary_s, wall=wall).install()

@@ -24,7 +24,7 @@ from elastic_ft.config import SpotConfig
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
-from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, Watcher, install_sigterm
+from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
 from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
 
 if TYPE_CHECKING:
@@ -75,13 +75,14 @@ class Preemption:
         self._handled: set[str] = set()  # rebalance recommendations already answered
         self._announced: set[str] = set()  # notices whose "none" decision was already an event
         self.watcher: Watcher | None = None
-        self._restore_sigterm = lambda: None
+        self.sigterm: SigtermHandler | None = None
         if cfg.enabled:
             client = ImdsClient(endpoint, timeout_s=cfg.imds_timeout_s, token_ttl_s=cfg.token_ttl_s)
             self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s)
             self.watcher.start()
             if cfg.sigterm:
-                self._restore_sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s)
+                self.sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s,
+                                               boundary_s=cfg.sigterm_boundary_s)
 
     def agree(self) -> int:
         """The most urgent notice level of any rank (one all-reduce; no collective when spot is disabled)."""
@@ -98,6 +99,8 @@ class Preemption:
         if self.agree() == LEVEL_NONE:
             return
         notice, decision = self._decide(trainer)
+        if decision.leaves and self.sigterm is not None:
+            self.sigterm.answering()  # at a boundary, committing: the SIGTERM fallback must not cut in
         if decision.action == "early_checkpoint":
             self._handled.add(notice.key)  # one early checkpoint per recommendation
         if decision.action == "none" and notice.key in self._announced:
@@ -147,6 +150,7 @@ class Preemption:
         raise Preempted(trainer.step, notice.kind)
 
     def close(self) -> None:
-        self._restore_sigterm()
+        if self.sigterm is not None:
+            self.sigterm.restore()
         if self.watcher is not None:
             self.watcher.stop(timeout_s=0.5)  # a daemon: a poll in flight need not hold up the exit

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -101,15 +103,44 @@ def test_a_malformed_notice_is_a_terminate_logged_once(imds, caplog):
 def test_sigterm_posts_a_notice_due_after_the_grace_period():
     board = NoticeBoard()
     before = signal.getsignal(signal.SIGTERM)
-    restore = install_sigterm(board, grace_s=30.0, wall=lambda: 100.0)
+    handler = install_sigterm(board, grace_s=30.0, boundary_s=600.0, wall=lambda: 100.0)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         wait_until(lambda: board.level == LEVEL_LEAVE, "the SIGTERM notice")  # handlers run between bytecodes
         (notice,) = board.current()
         assert (notice.kind, notice.deadline, notice.seen_at) == ("sigterm", 130.0, 100.0)
     finally:
-        restore()
+        handler.restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+STUCK_WORKER = """
+import os, signal, sys, time
+from elastic_ft.spot.watcher import NoticeBoard, install_sigterm
+board = NoticeBoard()
+handler = install_sigterm(board, grace_s=30.0, boundary_s=float(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGTERM)
+while board.level == 0:  # the handler runs between bytecodes
+    time.sleep(0.01)
+if sys.argv[1] == "answer":
+    handler.answering()  # the loop reached a boundary: it commits, however long that takes
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:  # a step that does not end: a collective stuck on a lost peer
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+# stuck: no boundary, the fallback ends it long before the script's 60 s; answer: the boundary was
+# reached well inside its 2 s, and the script outlives the 2 s by a second without being cut off.
+@pytest.mark.parametrize("mode, boundary_s, runs_s, code", [
+    ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3)])
+def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, boundary_s, runs_s, code):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == code, proc.stderr
+    assert ("no step boundary within 0.5 s of SIGTERM" in proc.stderr) == (mode == "stuck"), proc.stderr
 
 
 def n(kind: str, deadline: float | None, key: str | None = None) -> Notice:
