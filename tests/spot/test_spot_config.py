@@ -33,3 +33,16 @@ def test_bad_values_name_the_field():
     assert problems["spot.token_ttl_s"] == "must be in [1, 21600], got 21601"
     assert problems["spot.enabled"] == "must be bool, got 'maybe'"
     assert "spot.poll_interval" in problems and "poll_interval_s" in problems["spot.poll_interval"]
+
+
+def test_a_bad_imds_endpoint_stops_the_worker_with_one_line(monkeypatch, capsys, tmp_path):
+    from elastic_ft import worker
+    from elastic_ft.spot.imds import ENDPOINT_ENV
+
+    monkeypatch.setenv(ENDPOINT_ENV, "169.254.169.254:80")
+    code = worker.main(["--spec", SPEC, "--checkpoint_uri", f"file://{tmp_path}", "--log_dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == (f"elastic_ft: error: {ENDPOINT_ENV}='169.254.169.254:80' must look like http://host[:port] "
+                       f"(default http://169.254.169.254): the scheme must be http or https")
+    assert not (tmp_path / "tiny-lora").exists(), "nothing may be written before the endpoint is checked"
