@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from elastic_ft.checkpoint.saver import SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
 from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
+from elastic_ft.train.metrics import Metrics
 from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
-
-if TYPE_CHECKING:
-    from elastic_ft.train.loop import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,23 @@ from the committed step, and leave again at once while the node's notice
 stands), otherwise it exits 1 and names the worker's exit code 75 in its error
 report; a SIGTERMed agent exits on the signal after its workers have left.
 """
+
+
+class Trainer(Protocol):
+    """What the response needs of the trainer (:class:`elastic_ft.train.loop.Trainer`), named here so
+    that this module does not import the loop that imports it."""
+
+    step: int
+    last_ckpt_step: int
+    """The newest step a save was submitted for (in flight or committed)."""
+    last_committed_step: int
+    """The newest step whose manifest landed (known to the leader, which decides)."""
+    last_commit_s: float | None
+    last_step_s: float | None
+    saver: AsyncSaver
+    metrics: Metrics
+
+    def save(self, reason: str, *, sync: bool = False) -> None: ...
 
 
 class Preempted(Exception):
@@ -94,7 +109,7 @@ class Preemption:
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         return int(self._flag.item())
 
-    def at_boundary(self, trainer: "Trainer") -> None:
+    def at_boundary(self, trainer: Trainer) -> None:
         """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving."""
         if self.agree() == LEVEL_NONE:
             return
@@ -114,7 +129,7 @@ class Preemption:
         elif decision.leaves:
             self._leave(trainer, notice, decision)
 
-    def _decide(self, trainer: "Trainer") -> tuple[Notice, Decision]:
+    def _decide(self, trainer: Trainer) -> tuple[Notice, Decision]:
         """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow.
 
         The leader decides because only it knows which checkpoint committed
@@ -134,7 +149,7 @@ class Preemption:
             choice = (notice, decide(situation, self.settings))
         return broadcast_from_leader(self.world, choice)
 
-    def _leave(self, trainer: "Trainer", notice: Notice, decision: Decision) -> None:
+    def _leave(self, trainer: Trainer, notice: Notice, decision: Decision) -> None:
         t0 = time.monotonic()
         trainer.metrics.flush()
         if decision.action == "checkpoint_and_leave":
