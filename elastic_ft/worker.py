@@ -1,7 +1,9 @@
 """The process torchrun starts on every rank: ``python -m elastic_ft.worker``.
 
 Parse, build, run, close. Errors a user can fix (spec, URI, data, foreign
-checkpoint) end the process with one clear line and exit code 2.
+checkpoint) end the process with one clear line and exit code 2; a run that
+committed its state and left on a spot notice exits with
+:data:`~elastic_ft.train.preemption.PREEMPTED_EXIT_CODE` (75).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.names import name_problem
+from elastic_ft.spot.imds import EndpointError
 from elastic_ft.train.data import DataError
 from elastic_ft.train.scaling import BatchPlanError
 
-USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError)
+USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError, EndpointError)
 
 
 def _run_id(text: str) -> str:
@@ -43,6 +46,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     from elastic_ft.train.loop import RunAborted, RunOptions, run
+    from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     logging.basicConfig(
         level=os.environ.get("ELASTIC_FT_LOG_LEVEL", "INFO"),
@@ -60,6 +64,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     except USER_ERRORS + (RunAborted,) as exc:
         print(f"elastic_ft: error: {exc}", file=sys.stderr)
         return 2
+    except Preempted as exc:
+        print(f"elastic_ft: preempted: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

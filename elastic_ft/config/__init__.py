@@ -23,11 +23,12 @@ from elastic_ft.config.sections import (
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
+    SpotConfig,
 )
 from elastic_ft.config.validation import validate
 
 __all__ = [
     "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig",
-    "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "apply_overrides",
+    "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "SpotConfig", "apply_overrides",
     "load_spec", "spec_from_dict", "validate",
 ]

@@ -51,4 +51,10 @@ LIMITS: dict[str, Bound] = {
     "checkpoint.s3.connect_timeout": Bound(0.0, 3600.0, lo_open=True),
     "checkpoint.s3.read_timeout": Bound(0.0, 3600.0, lo_open=True),
     "logging.every_steps": Bound(1, MAX_STEPS),
+    "spot.poll_interval_s": Bound(0.1, 60.0),
+    "spot.imds_timeout_s": Bound(0.05, 30.0),
+    "spot.token_ttl_s": Bound(1, 21600),
+    "spot.sigterm_grace_s": Bound(1.0, 3600.0),
+    "spot.sigterm_boundary_s": Bound(1.0, 3600.0),
+    "spot.margin_s": Bound(0.0, 3600.0),
 }

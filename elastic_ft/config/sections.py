@@ -133,6 +133,31 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class SpotConfig:
+    enabled: bool = True
+    """Watch for spot notices (IMDS, SIGTERM) and commit and leave on one; false: a notice is a crash."""
+    poll_interval_s: float = 2.0
+    """Seconds between IMDS polls on each worker's watcher thread (0.1 to 60; AWS suggests every 5 s)."""
+    imds_timeout_s: float = 1.0
+    """Timeout of one IMDS request (0.05 to 30 s); the endpoint is ELASTIC_FT_IMDS_ENDPOINT."""
+    token_ttl_s: int = 21600
+    """Lifetime asked for the IMDSv2 session token (1 to 21600 s, IMDS's own limits)."""
+    on_rebalance: Literal["checkpoint", "ignore"] = "checkpoint"
+    """A rebalance recommendation: commit a checkpoint early (and keep training), or ignore it."""
+    sigterm: bool = True
+    """Treat SIGTERM to a worker as a notice (commit and leave) instead of dying at once."""
+    sigterm_grace_s: float = 30.0
+    """The deadline assumed after SIGTERM (torchrun and Batch SIGKILL 30 s after it; 1 to 3600 s)."""
+    sigterm_boundary_s: float = 10.0
+    """Longest wait after SIGTERM for a step boundary; then the worker exits as SIGTERM would have, so a
+    collective stuck on a lost peer does not hold its agent up until the SIGKILL (1 to 3600 s)."""
+    train_until_deadline: bool = False
+    """On a notice with a known deadline, keep training while another step and a commit still fit."""
+    margin_s: float = 10.0
+    """Seconds kept in hand before the deadline with train_until_deadline (0 to 3600)."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class LoggingConfig:
     dir: str = "runs/{run_id}/logs"
     """Directory of events.jsonl; ``{run_id}`` is substituted; relative to the working directory."""
@@ -160,6 +185,7 @@ class JobSpec:
     """Seed for model init and the data order."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    spot: SpotConfig = dataclasses.field(default_factory=SpotConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,7 +195,7 @@ class JobSpec:
         d = self.to_dict()
         # Cadence, logging and run length may change between restarts (extend a run
         # with steps=...) without making the checkpoint a different training.
-        for volatile in ("logging", "checkpoint", "name", "steps", "epochs"):
+        for volatile in ("logging", "checkpoint", "spot", "name", "steps", "epochs"):
             d.pop(volatile, None)
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

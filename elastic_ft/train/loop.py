@@ -35,12 +35,14 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
+from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.metrics import Metrics, StepResult, number
+from elastic_ft.train.preemption import Preemption
 from elastic_ft.train.restore import Restorer, optimizer_tensors
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
@@ -63,6 +65,7 @@ class Trainer:
 
     def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
         self.spec, self.opts, self.world = spec, opts, world
+        imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         self.events = EventLog(
             os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
@@ -110,6 +113,9 @@ class Trainer:
         self.last_ckpt_step = 0
         self.last_ckpt_time = time.monotonic()
         self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
+        # What the spot policy weighs (the committed step and commit time are the leader's: it decides).
+        self.last_committed_step, self.last_commit_s, self.last_step_s = 0, None, None
+        self.preemption = Preemption(spec.spot, world, self.events, endpoint=imds_endpoint)
 
     # ------------------------------------------------------------------ resume
 
@@ -124,7 +130,7 @@ class Trainer:
         )
         if loaded is not None:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
-            self.last_ckpt_step = self.step
+            self.last_ckpt_step = self.last_committed_step = self.step
         plan = plan_resume(
             loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
             total_steps=self.total_steps,
@@ -235,7 +241,8 @@ class Trainer:
         t0 = time.monotonic()
         cfg = self.spec.checkpoint
         # The leader decides skip-if-busy and the blob nonce, so all ranks submit the same saves.
-        skip, nonce = broadcast_from_leader(self.world, (cfg.if_busy == "skip" and self.saver.busy, new_nonce()))
+        skip, nonce = broadcast_from_leader(self.world, (cfg.if_busy == "skip" and self.saver.busy and not sync,
+                                                         new_nonce()))
         if skip:
             self.events.emit("checkpoint_skipped", step=self.step, reason="the previous save is still uploading")
             return
@@ -275,6 +282,8 @@ class Trainer:
         """Leader, after a manifest landed (on the saver's thread)."""
         with self._save_lock:
             t0, blocked, reason = self._save_started.pop(snap.step, (time.monotonic(), float("nan"), ""))
+        self.last_committed_step = max(self.last_committed_step, snap.step)
+        self.last_commit_s = time.monotonic() - t0
         self.events.emit(
             "checkpoint_committed", step=snap.step, key=self.store.join(manifest.key), bytes=manifest.total_size,
             parts=self.world.size, blocked_s=None if math.isnan(blocked) else round(blocked, 5),
@@ -307,6 +316,7 @@ class Trainer:
         self.metrics.start(self.step)
         try:
             while self.step < self.total_steps:
+                self.preemption.at_boundary(self)  # raises Preempted after committing, on a notice
                 self._inject_faults()
                 self.step_once()
                 due, why = checkpoint_due(
@@ -343,11 +353,12 @@ class Trainer:
         """One optimizer step, with its metrics reported every ``logging.every_steps`` steps."""
         t0 = time.monotonic()
         result = self.train_step()
-        result.seconds = time.monotonic() - t0
+        result.seconds = self.last_step_s = time.monotonic() - t0
         self.metrics.add(result)
         return result
 
     def close(self) -> None:
+        self.preemption.close()
         self.saver.close()
         self.events.close()
         self.store.close()

@@ -1,0 +1,233 @@
+"""Where notices are posted: the IMDS poller thread, the SIGTERM handler, and the board they share.
+
+The training loop reads :attr:`NoticeBoard.level`, a plain int, at each step
+boundary: no lock, no I/O, nothing it could wait on. All the I/O happens on the
+watcher's daemon thread, which sleeps on an event between polls and therefore
+also stops at once when asked.
+
+Not on EC2 the first probe finds no service: after :data:`PROBE_ATTEMPTS` such
+attempts in a row (one slow start must not blind a real spot node for the
+whole run) the watcher logs one line and ends, and SIGTERM remains the only
+signal. Once the service has answered, a failing poll is logged once per
+streak of failures and polling goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+from elastic_ft.spot.imds import ImdsClient, ImdsError, ImdsUnavailable
+
+log = logging.getLogger(__name__)
+
+LEAVE_KINDS = ("terminate", "stop", "hibernate", "sigterm")
+"""Notices after which this node is gone: the job must commit and leave."""
+LEVEL_NONE, LEVEL_REBALANCE, LEVEL_LEAVE = 0, 1, 2
+"""How urgent the board's notices are; ranks agree on the maximum."""
+PROBE_ATTEMPTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    kind: str
+    """terminate, stop, hibernate (IMDS instance action), rebalance (IMDS recommendation) or sigterm."""
+    deadline: float | None
+    """When the node goes, in epoch seconds; None when unknown (or for a rebalance recommendation)."""
+    seen_at: float
+    """When this process first saw it, in epoch seconds."""
+    key: str
+    """Identifies one notice: a repeated poll of the same document posts nothing new."""
+    problem: str | None = None
+    """Why the document was not taken as written (it was garbled), if so."""
+
+    @property
+    def level(self) -> int:
+        return LEVEL_LEAVE if self.kind in LEAVE_KINDS else LEVEL_REBALANCE
+
+
+class NoticeBoard:
+    """The notices of this process. Thread-safe; re-entrant, since the SIGTERM handler posts too
+    and may interrupt the main thread while it reads the board."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._leave: Notice | None = None
+        self._rebalance: Notice | None = None
+        self.level = LEVEL_NONE
+        """The most urgent notice's level: read without the lock (an int attribute read is atomic)."""
+
+    def post(self, notice: Notice) -> bool:
+        """Record ``notice``; True if it is new. A leave notice is kept until the process ends (the node
+        is going whatever polls say later), the one with the earliest known deadline winning."""
+        with self._lock:
+            if notice.level == LEVEL_LEAVE:
+                old = self._leave
+                if old is not None and (old.key == notice.key or not _earlier(notice.deadline, old.deadline)):
+                    return False
+                self._leave = notice
+            else:
+                if self._rebalance is not None and self._rebalance.key == notice.key:
+                    return False
+                self._rebalance = notice
+            self.level = max(self.level, notice.level)
+            return True
+
+    def current(self) -> list[Notice]:
+        """The leave notice (if any) first, then the newest rebalance recommendation (if any)."""
+        with self._lock:
+            return [n for n in (self._leave, self._rebalance) if n is not None]
+
+
+def _earlier(new: float | None, old: float | None) -> bool:
+    return new is not None and (old is None or new < old)
+
+
+class Watcher:
+    """Polls IMDS every ``interval_s`` on a daemon thread and posts what it finds to ``board``."""
+
+    def __init__(self, board: NoticeBoard, client: ImdsClient, *, interval_s: float,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.board, self.client, self.interval_s, self.wall = board, client, interval_s, wall
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._answered = False  # the service has answered once: failures from now on are transient
+        self._failed_probes = 0
+        self._in_trouble = False
+        self.quiet = False
+        """True once the watcher gave up: no service at the endpoint."""
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="spot-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop polling; waits for a poll in progress up to ``timeout_s`` (the thread is a daemon anyway)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.poll_once():
+                    return
+            except Exception:  # the watcher must outlive a bug in one poll: notices still matter
+                log.exception("spot: unexpected error while polling IMDS; polling goes on")
+            self._stop.wait(self.interval_s)
+
+    def poll_once(self) -> bool:
+        """One poll; False when the watcher should give up (no service at the endpoint)."""
+        try:
+            action = self.client.instance_action()
+            rebalance = self.client.rebalance()
+        except (ImdsUnavailable, ImdsError) as exc:
+            return self._failed(exc)
+        self._answered, self._failed_probes = True, 0
+        if self._in_trouble:
+            self._in_trouble = False
+            log.info("spot: IMDS at %s answers again", self.client.endpoint)
+        now = self.wall()
+        if action is not None:
+            self._post(Notice(action.action, action.time, now, f"{action.action}@{action.time}", action.problem))
+        if rebalance is not None:
+            key = f"rebalance@{rebalance.notice_time if rebalance.notice_time is not None else rebalance.raw}"
+            self._post(Notice("rebalance", None, now, key, rebalance.problem))
+        return True
+
+    def _failed(self, exc: Exception) -> bool:
+        if not self._answered:
+            self._failed_probes += 1
+            if self._failed_probes >= PROBE_ATTEMPTS:
+                self.quiet = True
+                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM only", exc,
+                         self._failed_probes)
+                return False
+            return True
+        if not self._in_trouble:
+            self._in_trouble = True
+            log.warning("spot: polling IMDS failed: %s; retrying every %g s", exc, self.interval_s)
+        return True
+
+    def _post(self, notice: Notice) -> None:
+        if not self.board.post(notice):
+            return
+        left = "unknown" if notice.deadline is None else f"{notice.deadline - notice.seen_at:.0f} s"
+        extra = f" ({notice.problem}: taken as shown)" if notice.problem else ""
+        log.warning("spot: %s notice from IMDS, time left %s%s", notice.kind, left, extra)
+
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""The status of a worker that gave up waiting for a step boundary after SIGTERM (as a shell reports death by it)."""
+
+
+class SigtermHandler:
+    """SIGTERM as a notice: posts a ``sigterm`` notice due in ``grace_s``, and makes sure the process still ends.
+
+    Once SIGTERM is handled, the process no longer dies of it: the training
+    loop must reach a step boundary and act. A loop blocked in a collective
+    with a peer that is gone (no TCP reset) would hold the agent up until its
+    SIGKILL 30 s later, where the default action ended the worker at once; so
+    if :meth:`answering` is not called within ``boundary_s`` of the signal, the
+    process exits with :data:`SIGTERM_EXIT_CODE`, as it would have without us.
+    """
+
+    def __init__(self, board: NoticeBoard, *, grace_s: float, boundary_s: float,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.board, self.grace_s, self.boundary_s, self.wall = board, grace_s, boundary_s, wall
+        self._timer: threading.Timer | None = None
+        self._answered = threading.Event()
+        self._previous = None
+        self.installed = False
+
+    def install(self) -> "SigtermHandler":
+        """Only the main thread may install handlers; elsewhere this does nothing."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.installed = True
+        return self
+
+    def answering(self) -> None:
+        """The loop has reached a boundary and is acting on the notice: no exit behind its back."""
+        self._answered.set()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def restore(self) -> None:
+        self.answering()
+        if self.installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous)
+        self.installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        now = self.wall()
+        if self.board.post(Notice("sigterm", now + self.grace_s, now, "sigterm")):
+            log.warning("spot: SIGTERM received; committing and leaving at the next step boundary")
+        if not self._answered.is_set() and self._timer is None:
+            self._timer = threading.Timer(self.boundary_s, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _give_up(self) -> None:
+        if self._answered.is_set():
+            return
+        log.error("spot: no step boundary within %g s of SIGTERM (a collective stuck on a lost peer?); exiting "
+                  "as SIGTERM would have, without a checkpoint", self.boundary_s)
+        logging.shutdown()
+        os._exit(SIGTERM_EXIT_CODE)
+
+
+def install_sigterm(board: NoticeBoard, *, grace_s: float, boundary_s: float = 10.0,
+                    wall: Callable[[], float] = time.time) -> SigtermHandler:
+    """Make SIGTERM post a notice (see :class:`SigtermHandler`); ``restore()`` on the result undoes it."""
+    return SigtermHandler(board, grace_s=grace_s, boundary_s=boundary_s, wall=wall).install()

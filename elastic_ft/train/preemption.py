@@ -1,0 +1,171 @@
+"""The trainer's side of spot preemption: agree on notices at step boundaries, then act on the policy.
+
+Every rank has a :class:`~elastic_ft.spot.watcher.Watcher` (IMDS) and a SIGTERM
+handler posting to its own notice board. At each step boundary the ranks
+agree in one collective, an all-reduce MAX of one small integer on the process
+group's device, whether any of them has a notice; only when one has do they
+exchange the notices and follow the leader's :func:`~elastic_ft.spot.policy.decide`.
+A decision that leaves commits the current step (or flushes the save in flight
+that covers it), emits its events and raises :class:`Preempted`, which the
+worker turns into exit code :data:`PREEMPTED_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.config import SpotConfig
+from elastic_ft.events import EventLog
+from elastic_ft.spot.imds import ImdsClient
+from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
+from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
+from elastic_ft.train.metrics import Metrics
+from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 75
+"""A worker's exit status after it committed its state and left on a notice.
+
+75 is ``EX_TEMPFAIL`` of sysexits.h ("temporary failure; the user is invited
+to retry"): the work is safe and running the same command again resumes at
+the next step. It is distinct from 0 (the run finished), 1 (a crash) and 2 (a
+user error, see :mod:`elastic_ft.worker`). torchrun treats any nonzero worker
+exit as a failure: with restarts left it restarts the workers (which resume
+from the committed step, and leave again at once while the node's notice
+stands), otherwise it exits 1 and names the worker's exit code 75 in its error
+report; a SIGTERMed agent exits on the signal after its workers have left.
+"""
+
+
+class Trainer(Protocol):
+    """What the response needs of the trainer (:class:`elastic_ft.train.loop.Trainer`), named here so
+    that this module does not import the loop that imports it."""
+
+    step: int
+    last_ckpt_step: int
+    """The newest step a save was submitted for (in flight or committed)."""
+    last_committed_step: int
+    """The newest step whose manifest landed (known to the leader, which decides)."""
+    last_commit_s: float | None
+    last_step_s: float | None
+    saver: AsyncSaver
+    metrics: Metrics
+
+    def save(self, reason: str, *, sync: bool = False) -> None: ...
+
+
+class Preempted(Exception):
+    """The run left on a spot notice after committing its state (raised on every rank alike)."""
+
+    def __init__(self, step: int, kind: str) -> None:
+        self.step, self.kind = step, kind
+        super().__init__(f"left on a {kind} notice at step {step}, state committed; running the same command "
+                         f"again resumes at step {step + 1}")
+
+
+def most_urgent(notices: list[Notice]) -> Notice | None:
+    """The notice to act on: leave before rebalance, then the earliest known deadline."""
+    if not notices:
+        return None
+    return min(notices, key=lambda n: (-n.level, n.deadline is None, n.deadline or 0.0))
+
+
+class Preemption:
+    """One per worker: the watcher, the SIGTERM handler and the boundary check. :meth:`close` undoes them."""
+
+    def __init__(self, cfg: SpotConfig, world: World, events: EventLog, *, endpoint: str) -> None:
+        self.cfg, self.world, self.events = cfg, world, events
+        self.board = NoticeBoard()
+        self.settings = PolicySettings(on_rebalance=cfg.on_rebalance, train_until_deadline=cfg.train_until_deadline,
+                                       margin_s=cfg.margin_s)
+        # Allocated once: the per-step agreement must not allocate (nor, for NCCL, leave the device).
+        self._flag = torch.zeros(1, dtype=torch.int32, device=world.device)
+        self._handled: set[str] = set()  # rebalance recommendations already answered
+        self._announced: set[str] = set()  # notices whose "none" decision was already an event
+        self.watcher: Watcher | None = None
+        self.sigterm: SigtermHandler | None = None
+        if cfg.enabled:
+            client = ImdsClient(endpoint, timeout_s=cfg.imds_timeout_s, token_ttl_s=cfg.token_ttl_s)
+            self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s)
+            self.watcher.start()
+            if cfg.sigterm:
+                self.sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s,
+                                               boundary_s=cfg.sigterm_boundary_s)
+
+    def agree(self) -> int:
+        """The most urgent notice level of any rank (one all-reduce; no collective when spot is disabled)."""
+        if not self.cfg.enabled:
+            return LEVEL_NONE
+        if not self.world.distributed:
+            return self.board.level
+        self._flag.fill_(self.board.level)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return int(self._flag.item())
+
+    def at_boundary(self, trainer: Trainer) -> None:
+        """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving."""
+        if self.agree() == LEVEL_NONE:
+            return
+        notice, decision = self._decide(trainer)
+        if decision.leaves and self.sigterm is not None:
+            self.sigterm.answering()  # at a boundary, committing: the SIGTERM fallback must not cut in
+        if decision.action == "early_checkpoint":
+            self._handled.add(notice.key)  # one early checkpoint per recommendation
+        if decision.action == "none" and notice.key in self._announced:
+            return
+        self._announced.add(notice.key)
+        left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
+        self.events.emit("spot_decision", step=trainer.step, action=decision.action, reason=decision.reason,
+                         notice=notice.kind, seconds_left=left, problem=notice.problem)
+        if decision.action == "early_checkpoint":
+            trainer.save(f"spot: {decision.reason}")
+        elif decision.leaves:
+            self._leave(trainer, notice, decision)
+
+    def _decide(self, trainer: Trainer) -> tuple[Notice, Decision]:
+        """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow.
+
+        The leader decides because only it knows which checkpoint committed
+        last, and because each rank's view of the save in flight may differ.
+        """
+        notices = [n for per_rank in gather_from_all(self.world, self.board.current()) for n in per_rank]
+        choice = None
+        if self.world.is_leader:
+            notice = most_urgent(notices)
+            assert notice is not None  # some rank reported a level above none
+            covers = trainer.last_ckpt_step == trainer.step and trainer.last_committed_step != trainer.step
+            situation = Situation(
+                kind=notice.kind, deadline=notice.deadline, now=time.time(), commit_s=trainer.last_commit_s,
+                steps_since_commit=trainer.step - trainer.last_committed_step, in_flight_covers_step=covers,
+                step_s=trainer.last_step_s, rebalance_handled=notice.key in self._handled,
+            )
+            choice = (notice, decide(situation, self.settings))
+        return broadcast_from_leader(self.world, choice)
+
+    def _leave(self, trainer: Trainer, notice: Notice, decision: Decision) -> None:
+        t0 = time.monotonic()
+        trainer.metrics.flush()
+        if decision.action == "checkpoint_and_leave":
+            trainer.save(f"spot: {decision.reason}", sync=True)
+        else:
+            try:
+                trainer.saver.flush()
+            except SaveFailed as exc:  # the same on every rank (see AsyncSaver): commit the step ourselves
+                log.warning("spot: the save in flight failed (%s); committing the current step synchronously", exc)
+                trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
+        self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
+                         seconds=round(time.monotonic() - t0, 3))
+        raise Preempted(trainer.step, notice.kind)
+
+    def close(self) -> None:
+        if self.sigterm is not None:
+            self.sigterm.restore()
+        if self.watcher is not None:
+            self.watcher.stop(timeout_s=0.5)  # a daemon: a poll in flight need not hold up the exit
