@@ -15,6 +15,11 @@ from elastic_ft.rendezvous.etcd_client import load_etcd3
 # is first imported: load it now, before any test module can import protobuf.
 load_etcd3()
 
+# Every worker polls the instance metadata service for spot notices. Tests send
+# traffic to 127.0.0.1 only: a closed local port reads as "not on EC2" at once.
+# Tests of the notices serve their own IMDS and set the endpoint themselves.
+os.environ.setdefault("ELASTIC_FT_IMDS_ENDPOINT", "http://127.0.0.1:1")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 DEFAULT_SPEC = os.path.join(REPO, "specs", "tiny-lora.yaml")
