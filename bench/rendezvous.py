@@ -261,9 +261,6 @@ def main() -> None:
     # The handlers log every state change at INFO; keep the table readable.
     logging.basicConfig(level=logging.ERROR)
 
-    from elastic_ft.rendezvous.etcd_client import load_etcd3
-
-    load_etcd3()
     server = None
     endpoint = args.etcd_endpoint
     if endpoint is None:

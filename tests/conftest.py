@@ -9,12 +9,6 @@ import sys
 
 import pytest
 
-from elastic_ft.rendezvous.etcd_client import load_etcd3
-
-# python-etcd3 imports only with the pure-Python protobuf, chosen before protobuf
-# is first imported: load it now, before any test module can import protobuf.
-load_etcd3()
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 DEFAULT_SPEC = os.path.join(REPO, "specs", "tiny-lora.yaml")
