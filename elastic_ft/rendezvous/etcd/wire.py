@@ -153,6 +153,7 @@ def messages() -> dict[str, type]:
     }
 
 
-def message(name: str, **fields: Any) -> Any:
-    """A new message of type ``name`` with ``fields`` set."""
-    return messages()[name](**fields)
+def message(type_name: str, /, **fields: Any) -> Any:
+    """A new message of type ``type_name`` with ``fields`` set (positional-only:
+    ``AuthenticateRequest`` has a field called ``name``)."""
+    return messages()[type_name](**fields)
