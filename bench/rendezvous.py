@@ -261,9 +261,12 @@ def main() -> None:
     # The handlers log every state change at INFO; keep the table readable.
     logging.basicConfig(level=logging.ERROR)
 
-    from elastic_ft.rendezvous.etcd_client import load_etcd3
+    # Import the etcd client's gRPC and build its messages here, once, as the
+    # c10d side has torch's TCPStore loaded: the forked members share them.
+    import elastic_ft.rendezvous.etcd.session  # noqa: F401
+    from elastic_ft.rendezvous.etcd import wire
 
-    load_etcd3()
+    wire.messages()
     server = None
     endpoint = args.etcd_endpoint
     if endpoint is None:

@@ -9,12 +9,6 @@ import sys
 
 import pytest
 
-from elastic_ft.rendezvous.etcd_client import load_etcd3
-
-# python-etcd3 imports only with the pure-Python protobuf, chosen before protobuf
-# is first imported: load it now, before any test module can import protobuf.
-load_etcd3()
-
 # Every worker polls the instance metadata service for spot notices. Tests send
 # traffic to 127.0.0.1 only: a closed local port reads as "not on EC2" at once.
 # Tests of the notices serve their own IMDS and set the endpoint themselves.

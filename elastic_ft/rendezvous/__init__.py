@@ -5,8 +5,8 @@ finds :func:`elastic_ft.rendezvous.handler.etcd3_handler` through the
 ``torchrun.handlers`` entry point. The modules, one concept each:
 
 - ``options``: the ``--rdzv-conf`` options, validated into one dataclass.
-- ``etcd_client``: the only module that touches python-etcd3 (imported lazily;
-  protobuf runtime, retries, failover, TLS and auth, the lease).
+- ``etcd``: the package that talks to etcd (its gRPC API, imported lazily;
+  retries, failover, TLS and auth, the lease), behind one ``EtcdClient``.
 - ``backend``: torch's ``RendezvousBackend``, the state as one key with
   compare-and-set on its revision.
 - ``state_codec``: how that state is written in etcd (digest, base64), so a

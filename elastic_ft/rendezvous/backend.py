@@ -7,7 +7,7 @@ back on success, read on failure. So two agents can never both believe they
 wrote, and a loser always gets the winner's state to merge with.
 
 The key is attached to the writing client's lease (see
-:class:`~elastic_ft.rendezvous.etcd_client.EtcdClient`): it lives while agents
+:class:`~elastic_ft.rendezvous.etcd.EtcdClient`): it lives while agents
 keep writing heartbeats and expires ``lease_ttl`` seconds after the last one, so
 abandoned runs do not pile up in etcd.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from .etcd_client import EtcdClient, EtcdClientError, KeyValue
+from .etcd import EtcdClient, EtcdClientError, KeyValue
 from .state_codec import decode_state, encode_state
 
 

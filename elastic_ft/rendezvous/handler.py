@@ -5,7 +5,7 @@ torchrun calls :func:`etcd3_handler` (no arguments) when it loads its
 out-of-tree backends, for every run whatever backend is chosen, so it only
 returns :func:`create_handler` and imports nothing heavy. ``create_handler``
 runs when ``--rdzv-backend=etcd3`` is actually used: it parses ``--rdzv-conf``,
-connects to etcd (importing python-etcd3 then; an unreachable endpoint fails
+connects to etcd (importing grpcio then; an unreachable endpoint fails
 here, as torch's c10d backend fails when its TCPStore does not answer) and
 returns torch's own
 :class:`DynamicRendezvousHandler` over our backend and store.
@@ -103,7 +103,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         needs etcd only to change membership, so an outage is logged once and
         the workers go on. Other errors (permissions, corrupt state) raise.
         """
-        from .etcd_client import EtcdUnavailableError
+        from .etcd import EtcdUnavailableError
 
         try:
             waiting = super().num_nodes_waiting()
@@ -278,12 +278,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     Raises:
         ValueError: an invalid ``--rdzv-conf`` option (all of them listed).
-        EtcdClientError: python-etcd3 cannot be imported (protobuf runtime).
         RendezvousConnectionError: no endpoint answered within ``retry_timeout``
             (it names them), or etcd refused the credentials.
     """
     from .backend import EtcdV3RendezvousBackend, connection_error
-    from .etcd_client import EtcdClient, EtcdClientError
+    from .etcd import EtcdClient, EtcdClientError
     from .options import parse_options
     from .outage import OutageTolerantStateHolder
     from .store import EtcdStore

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
 
-from .etcd_client import ConnectionSettings, Endpoint
+from .etcd import ConnectionSettings, Endpoint
 
 # The largest number any option takes (seconds or a count): 115 days.
 _MAX_NUMBER = 10_000_000

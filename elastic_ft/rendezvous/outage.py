@@ -38,7 +38,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from .etcd_client import Outage
+from .etcd import Outage
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from .etcd_client import EtcdClient, EtcdClientError, KeyValue
+from .etcd import EtcdClient, EtcdClientError, KeyValue
 
 
 class WritersLostError(dist.DistStoreError):

@@ -20,12 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from etcd_server import ROOT_PASSWORD, EtcdServer, TlsFiles, make_tls_files  # noqa: E402
 
-from elastic_ft.rendezvous.etcd_client import load_etcd3  # noqa: E402
-
-# Import python-etcd3 now, before another test module can import protobuf
-# with its fast runtime (which python-etcd3 0.12 cannot use).
-load_etcd3()
-
 if shutil.which("etcd") is None:
     pytest.skip(
         "etcd is not installed: run scripts/setup.sh --test (Debian package etcd-server).",

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_ft.rendezvous.etcd_client import EtcdClient
+from elastic_ft.rendezvous.etcd import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
 from elastic_ft.rendezvous.store import EtcdStore
 

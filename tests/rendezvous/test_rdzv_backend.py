@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
 from elastic_ft.rendezvous.backend import EtcdV3RendezvousBackend
-from elastic_ft.rendezvous.etcd_client import EtcdClient
+from elastic_ft.rendezvous.etcd import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
 
 

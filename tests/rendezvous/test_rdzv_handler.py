@@ -1,5 +1,5 @@
 """Tests of the etcd3 handler factory: options, entry point, in-process rendezvous,
-the protobuf import guard, and TLS + auth against a real etcd.
+the protobuf runtime, and TLS + auth against a real etcd.
 """
 
 from __future__ import annotations
@@ -170,39 +170,33 @@ def test_handlers_in_threads_form_one_world(etcd, run_id):
         h.shutdown()
 
 
-# -- protobuf import guard -------------------------------------------------------------
+# -- protobuf runtime ---------------------------------------------------------------------
 
 
-def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def test_etcd_client_works_after_protobuf_was_imported_with_its_default_runtime(etcd: EtcdServer):
+    """The client must not need a protobuf runtime chosen process-wide (python-etcd3
+    0.12 needed the pure-Python one, set before protobuf's first import)."""
     env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-
-
-def test_etcd3_loads_in_a_fresh_process_and_restores_the_environment():
-    result = _python(
+    code = (
         "import os\n"
-        "from elastic_ft.rendezvous.etcd_client import load_etcd3\n"
-        "load_etcd3()\n"
-        "from google.protobuf.internal import api_implementation\n"
-        "print(api_implementation.Type(), os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["python", "None"]
-
-
-def test_protobuf_imported_with_fast_runtime_gives_a_clear_error():
-    result = _python(
         "import google.protobuf.message\n"
         "from google.protobuf.internal import api_implementation\n"
-        "assert api_implementation.Type() != 'python', api_implementation.Type()\n"
-        "from elastic_ft.rendezvous.etcd_client import load_etcd3\n"
-        "load_etcd3()\n"
+        "runtime = api_implementation.Type()\n"
+        "from elastic_ft.rendezvous.etcd import EtcdClient\n"
+        "from elastic_ft.rendezvous.options import parse_options\n"
+        f"client = EtcdClient(parse_options({etcd.endpoint!r}, {{}}).connection, name='protobuf')\n"
+        "client.put_many([('elastic_ft/test/protobuf', b'v')])\n"
+        "value, _ = client.get('elastic_ft/test/protobuf')\n"
+        "print(runtime, api_implementation.Type(), value.value.decode(), "
+        "os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"
     )
-    assert result.returncode != 0
-    assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in result.stderr
-    assert "EtcdClientError" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    runtime, runtime_after, value, variable = result.stdout.split()
+    assert runtime != "python"
+    assert (runtime_after, value, variable) == (runtime, "v", "None")
 
 
 # -- TLS and auth ----------------------------------------------------------------------

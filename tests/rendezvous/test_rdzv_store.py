@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
-from elastic_ft.rendezvous.etcd_client import EtcdClient
+from elastic_ft.rendezvous.etcd import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
 from elastic_ft.rendezvous.store import EtcdStore
 

@@ -4,7 +4,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from elastic_ft.rendezvous.etcd_client import Outage
+from elastic_ft.rendezvous.etcd import Outage
 from elastic_ft.rendezvous.outage import heartbeats_may_expire, lost_running_state
 
 EXPIRY = timedelta(seconds=3)

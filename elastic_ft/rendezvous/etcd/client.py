@@ -1,0 +1,142 @@
+"""The one interface between elastic_ft and etcd: :class:`EtcdClient`.
+
+Everything else in :mod:`elastic_ft.rendezvous` talks to etcd through it: read
+one or many keys, write many keys, one compare-and-put transaction, delete,
+count, wait for a key through a watch, and a lease that keeps written keys
+alive while this process writes. It composes the modules of this package:
+:mod:`.failover` (sessions, retries, outages), :mod:`.kv`, :mod:`.watch` and
+:mod:`.lease`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from . import kv, watch
+from .failover import Failover, Outage
+from .kv import KeyValue
+from .lease import Lease
+from .settings import ConnectionSettings, Endpoint
+
+
+class EtcdClient:
+    """A small, thread-safe etcd v3 client with failover, retries and one lease.
+
+    Args:
+        settings: endpoints, TLS, credentials, timeouts and lease TTL.
+        name: a label for log and error messages (the run id).
+
+    Nothing connects until the first call (or :meth:`open`). Every method
+    raises :class:`~.errors.EtcdUnavailableError` once ``retry_timeout``
+    seconds of transient faults have passed, and
+    :class:`~.errors.EtcdClientError` at once for faults that retrying cannot
+    fix (bad credentials, permission denied; a TLS mismatch shows up as
+    unavailable and is retried, then named).
+    """
+
+    def __init__(self, settings: ConnectionSettings, name: str = "") -> None:
+        self._failover = Failover(settings, name)
+        self._lease = Lease(self._failover)
+
+    @property
+    def settings(self) -> ConnectionSettings:
+        return self._failover.settings
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The member currently in use."""
+        return self._failover.endpoint
+
+    @property
+    def last_outage(self) -> Outage | None:
+        """The latest run of transient failures that etcd has since ended by answering.
+
+        ``None`` while none has happened (or while the first one lasts). Used
+        by the rendezvous to give nodes time to send heartbeats again before
+        it counts them as dead.
+        """
+        return self._failover.last_outage
+
+    def open(self) -> None:
+        """Connect and grant this client's lease now, under the usual retries.
+
+        The rendezvous handler calls it when it is built, as torch's c10d
+        backend connects its TCPStore client then: a wrong endpoint or
+        credentials fail at start, and the first rendezvous round does not
+        pay for the connection and the lease grant while every node races.
+        """
+        self._failover.call("connect", self._lease.current)
+
+    def close(self) -> None:
+        """Close the connection; the client reconnects if used again."""
+        self._failover.drop(failover=False)
+
+    # -- key/value -------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        """Read ``key``; returns its value (or ``None``) and the store revision read at."""
+        return self._failover.call("get", lambda s: kv.get(s, key))
+
+    def get_many(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        """Read several keys in one transaction (one consistent revision)."""
+        if not keys:
+            return []
+        return self._failover.call("get", lambda s: kv.get_many(s, keys))
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], lease: bool = True) -> None:
+        """Write several keys in one transaction, attached to this client's lease."""
+        if not items:
+            return
+        if lease:
+            self._lease.call("put", lambda s, lease_id: kv.put_many(s, items, lease_id))
+        else:
+            self._failover.call("put", lambda s: kv.put_many(s, items, None))
+
+    def compare_and_put(self, key: str, value: bytes, mod_revision: int | None) -> tuple[bool, KeyValue | None]:
+        """Write ``key`` only if it is unchanged since ``mod_revision``.
+
+        ``mod_revision=None`` means "only if the key does not exist". One etcd
+        transaction. Returns whether the put happened and the key's value now
+        (``None`` if it does not exist).
+        """
+        return self._lease.call(
+            "compare-and-put", lambda s, lease_id: kv.compare_and_put(s, key, value, mod_revision, lease_id)
+        )
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; returns whether it existed."""
+        return self._failover.call("delete", lambda s: kv.delete(s, key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+        return self._failover.call("delete", lambda s: kv.delete_prefix(s, prefix))
+
+    def count_prefix(self, prefix: str) -> int:
+        """Count the keys under ``prefix`` without reading their values."""
+        return self._failover.call("count", lambda s: kv.count_prefix(s, prefix))
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, in byte order, without reading their values."""
+        return self._failover.call("list", lambda s: kv.keys_under(s, prefix))
+
+    def wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
+        """Block until ``key`` exists, through an etcd watch; ``None`` at ``deadline``.
+
+        ``deadline`` is a :func:`time.monotonic` value; see :mod:`.watch`.
+        """
+        return watch.wait_for_key(self._failover, self.get, key, deadline)
+
+    # -- lease -----------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease attached to this client's writes, if one was granted yet."""
+        return self._lease.id
+
+    def lease_remaining_ttl(self, lease_id: int) -> int:
+        """Seconds left on ``lease_id``; -1 if it does not exist (expired or revoked)."""
+        return self._lease.remaining_ttl(lease_id)
+
+    def revoke_lease(self) -> None:
+        """Revoke this client's lease now, deleting every key attached to it."""
+        self._lease.revoke()

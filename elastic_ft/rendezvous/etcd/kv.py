@@ -1,0 +1,125 @@
+"""Key/value requests on one session: build etcd's messages, read its answers.
+
+Pure request/response mapping, no retries (the failover layer wraps these).
+Keys are ``str`` (UTF-8 on the wire), values ``bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from . import wire
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """A key's value and the revision of its last modification (its fencing token)."""
+
+    value: bytes
+    mod_revision: int
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that makes a range cover every key starting with ``prefix``.
+
+    etcd's rule: increment the last byte below 0xff, dropping the 0xff bytes
+    after it; a prefix of only 0xff bytes (or empty) ranges to the end, ``b"\\0"``.
+    """
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+def _range(key: str, **fields: Any) -> Any:
+    return wire.message("RangeRequest", key=key.encode(), **fields)
+
+
+def _prefix_range(prefix: str, **flags: bool) -> Any:
+    return _range(prefix, range_end=prefix_end(prefix.encode()), **flags)
+
+
+def _put_op(key: str, value: bytes, lease_id: int | None) -> Any:
+    put = wire.message("PutRequest", key=key.encode(), value=value, lease=lease_id or 0)
+    return wire.message("RequestOp", request_put=put)
+
+
+def _first(kvs: Sequence[Any]) -> KeyValue | None:
+    return KeyValue(kvs[0].value, kvs[0].mod_revision) if kvs else None
+
+
+def get(session: Any, key: str) -> tuple[KeyValue | None, int]:
+    """``key``'s value (or ``None``) and the store revision it was read at."""
+    response = session.call(wire.RANGE, _range(key))
+    return _first(response.kvs), response.header.revision
+
+
+def get_many(session: Any, keys: Sequence[str]) -> list[KeyValue | None]:
+    """Several keys read in one transaction (one consistent revision)."""
+    ops = [wire.message("RequestOp", request_range=_range(k)) for k in keys]
+    response = session.call(wire.TXN, wire.message("TxnRequest", success=ops))
+    return [_first(op.response_range.kvs) for op in response.responses]
+
+
+def put_many(session: Any, items: Sequence[tuple[str, bytes]], lease_id: int | None) -> None:
+    """Several keys written in one transaction, attached to ``lease_id`` if given."""
+    ops = [_put_op(k, v, lease_id) for k, v in items]
+    session.call(wire.TXN, wire.message("TxnRequest", success=ops))
+
+
+def compare_and_put(
+    session: Any, key: str, value: bytes, mod_revision: int | None, lease_id: int
+) -> tuple[bool, KeyValue | None]:
+    """Put ``key`` only if its mod revision is ``mod_revision`` (``None``: only if absent).
+
+    One transaction: compare, then put on success or read on failure. Returns
+    whether the put happened and the key's value now (``None`` if absent).
+    """
+    if mod_revision is None:
+        compare = wire.message(
+            "Compare", result=wire.COMPARE_EQUAL, target=wire.TARGET_CREATE, key=key.encode(), create_revision=0
+        )
+    else:
+        compare = wire.message(
+            "Compare", result=wire.COMPARE_EQUAL, target=wire.TARGET_MOD, key=key.encode(), mod_revision=mod_revision
+        )
+    request = wire.message(
+        "TxnRequest",
+        compare=[compare],
+        success=[_put_op(key, value, lease_id)],
+        failure=[wire.message("RequestOp", request_range=_range(key))],
+    )
+    response = session.call(wire.TXN, request)
+    if response.succeeded:
+        # The put's revision is the transaction's: no need to read back the
+        # value we just wrote (it is the biggest part of the reply).
+        return True, KeyValue(value, response.header.revision)
+    return False, _first(response.responses[0].response_range.kvs)
+
+
+def delete(session: Any, key: str) -> bool:
+    """Delete ``key``; whether it existed."""
+    request = wire.message("DeleteRangeRequest", key=key.encode())
+    return session.call(wire.DELETE_RANGE, request).deleted > 0
+
+
+def delete_prefix(session: Any, prefix: str) -> int:
+    """Delete every key under ``prefix``; how many there were."""
+    raw = prefix.encode()
+    request = wire.message("DeleteRangeRequest", key=raw, range_end=prefix_end(raw))
+    return int(session.call(wire.DELETE_RANGE, request).deleted)
+
+
+def count_prefix(session: Any, prefix: str) -> int:
+    """How many keys are under ``prefix`` (values not read)."""
+    return int(session.call(wire.RANGE, _prefix_range(prefix, count_only=True)).count)
+
+
+def keys_under(session: Any, prefix: str) -> list[str]:
+    """The keys under ``prefix`` in byte order (values not read)."""
+    response = session.call(wire.RANGE, _prefix_range(prefix, keys_only=True))
+    return [kv.key.decode() for kv in response.kvs]

@@ -1,0 +1,86 @@
+"""This client's lease: every key it writes is attached to it.
+
+The keys of a run whose agents are all gone expire ``lease_ttl`` seconds after
+the last write. Writes by live agents (heartbeats every few seconds) keep the
+lease alive: it is refreshed (one keep-alive) when a write finds it older than
+a quarter of the TTL, which bounds the extra calls. A lease that expired
+anyway (etcd down longer than the TTL) is replaced once per write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, TypeVar
+
+from . import wire
+from .errors import EtcdClientError, EtcdLeaseError, LeaseGone, is_lease_not_found
+from .failover import Failover
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Lease:
+    """The lease of the client that owns ``failover``, granted on first use."""
+
+    def __init__(self, failover: Failover) -> None:
+        self._failover = failover
+        self._id: int | None = None
+        self._refreshed_at = 0.0
+
+    @property
+    def id(self) -> int | None:
+        """The lease attached to this client's writes, if one was granted yet."""
+        return self._id
+
+    def current(self, session: Any) -> int:
+        """The lease id, granted or refreshed on ``session`` as needed.
+
+        Raises:
+            LeaseGone: the server no longer has our lease.
+        """
+        ttl = self._failover.settings.lease_ttl
+        now = time.monotonic()
+        with self._failover.lock:
+            if self._id is None:
+                response = session.call(wire.LEASE_GRANT, wire.message("LeaseGrantRequest", TTL=ttl))
+                self._id = int(response.ID)
+                self._refreshed_at = now
+            elif now - self._refreshed_at > ttl / 4:
+                request = wire.message("LeaseKeepAliveRequest", ID=self._id)
+                responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
+                if not responses or responses[-1].TTL <= 0:
+                    raise LeaseGone()
+                self._refreshed_at = now
+            return self._id
+
+    def call(self, what: str, fn: Callable[[Any, int], T]) -> T:
+        """``fn(session, lease_id)`` with retries, granting a new lease once if ours expired."""
+        for _ in range(2):
+            try:
+                return self._failover.call(what, lambda session: fn(session, self.current(session)))
+            except (LeaseGone, EtcdClientError) as exc:
+                if not (isinstance(exc, LeaseGone) or is_lease_not_found(exc.__cause__)):
+                    raise
+                log.warning("The etcd lease of %r expired; granting a new one.", self._failover.name)
+                with self._failover.lock:
+                    self._id = None
+        raise EtcdLeaseError(
+            f"etcd {what} failed twice because the lease granted by {self._failover.endpoint} "
+            f"expired at once; check the lease_ttl option ({self._failover.settings.lease_ttl} s)."
+        )
+
+    def remaining_ttl(self, lease_id: int) -> int:
+        """Seconds left on ``lease_id``; -1 if it does not exist (expired or revoked)."""
+        request = wire.message("LeaseTimeToLiveRequest", ID=lease_id)
+        return self._failover.call("lease", lambda s: int(s.call(wire.LEASE_TIME_TO_LIVE, request).TTL))
+
+    def revoke(self) -> None:
+        """Revoke the lease now, deleting every key attached to it."""
+        with self._failover.lock:
+            lease_id, self._id = self._id, None
+        if lease_id is not None:
+            request = wire.message("LeaseRevokeRequest", ID=lease_id)
+            self._failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
