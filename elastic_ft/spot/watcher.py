@@ -6,10 +6,11 @@ watcher's daemon thread, which sleeps on an event between polls and therefore
 also stops at once when asked.
 
 Not on EC2 the first probe finds no service: after :data:`PROBE_ATTEMPTS` such
-attempts in a row (one slow start must not blind a real spot node for the
-whole run) the watcher logs one line and ends, and SIGTERM remains the only
-signal. Once the service has answered, a failing poll is logged once per
-streak of failures and polling goes on.
+attempts in a row the watcher logs one line and polls on quietly every
+:data:`QUIET_INTERVAL_S` (a slow start on a loaded node must not blind a real
+spot node for the whole run; off EC2 a probe every few minutes costs nothing).
+Once the service has answered, a failing poll is logged once per streak of
+failures and polling goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ LEAVE_KINDS = ("terminate", "stop", "hibernate", "sigterm")
 LEVEL_NONE, LEVEL_REBALANCE, LEVEL_LEAVE = 0, 1, 2
 """How urgent the board's notices are; ranks agree on the maximum."""
 PROBE_ATTEMPTS = 3
+QUIET_INTERVAL_S = 120.0
+"""The polling interval after the probes found no service (bounded: a late service is still seen)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +95,16 @@ class Watcher:
     """Polls IMDS every ``interval_s`` on a daemon thread and posts what it finds to ``board``."""
 
     def __init__(self, board: NoticeBoard, client: ImdsClient, *, interval_s: float,
-                 wall: Callable[[], float] = time.time) -> None:
+                 quiet_interval_s: float = QUIET_INTERVAL_S, wall: Callable[[], float] = time.time) -> None:
         self.board, self.client, self.interval_s, self.wall = board, client, interval_s, wall
+        self.quiet_interval_s = max(interval_s, quiet_interval_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._answered = False  # the service has answered once: failures from now on are transient
         self._failed_probes = 0
         self._in_trouble = False
         self.quiet = False
-        """True once the watcher gave up: no service at the endpoint."""
+        """True while the probes find no service at the endpoint (polling slowly)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="spot-watcher", daemon=True)
@@ -119,26 +123,27 @@ class Watcher:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self.poll_once():
-                    return
+                self.poll_once()
             except Exception:  # the watcher must outlive a bug in one poll: notices still matter
                 log.exception("spot: unexpected error while polling IMDS; polling goes on")
-            self._stop.wait(self.interval_s)
+            self._stop.wait(self.quiet_interval_s if self.quiet else self.interval_s)
 
     def poll_once(self) -> bool:
-        """One poll; False when the watcher should give up (no service at the endpoint)."""
+        """One poll; False when it failed. The instance action is posted before the rebalance
+        recommendation is fetched: a failing second request must not hide a terminate notice."""
         try:
             action = self.client.instance_action()
+            if action is not None:
+                self._post(Notice(action.action, action.time, self.wall(), f"{action.action}@{action.time}",
+                                  action.problem))
             rebalance = self.client.rebalance()
         except (ImdsUnavailable, ImdsError) as exc:
             return self._failed(exc)
-        self._answered, self._failed_probes = True, 0
+        self._answered, self._failed_probes, self.quiet = True, 0, False
         if self._in_trouble:
             self._in_trouble = False
             log.info("spot: IMDS at %s answers again", self.client.endpoint)
         now = self.wall()
-        if action is not None:
-            self._post(Notice(action.action, action.time, now, f"{action.action}@{action.time}", action.problem))
         if rebalance is not None:
             key = f"rebalance@{rebalance.notice_time if rebalance.notice_time is not None else rebalance.raw}"
             self._post(Notice("rebalance", None, now, key, rebalance.problem))
@@ -147,16 +152,15 @@ class Watcher:
     def _failed(self, exc: Exception) -> bool:
         if not self._answered:
             self._failed_probes += 1
-            if self._failed_probes >= PROBE_ATTEMPTS:
+            if self._failed_probes == PROBE_ATTEMPTS:
                 self.quiet = True
-                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM only", exc,
-                         self._failed_probes)
-                return False
-            return True
+                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM (probing again "
+                         "every %g s)", exc, self._failed_probes, self.quiet_interval_s)
+            return False
         if not self._in_trouble:
             self._in_trouble = True
             log.warning("spot: polling IMDS failed: %s; retrying every %g s", exc, self.interval_s)
-        return True
+        return False
 
     def _post(self, notice: Notice) -> None:
         if not self.board.post(notice):
