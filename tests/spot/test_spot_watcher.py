@@ -169,7 +169,7 @@ def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, bound
     proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == code, proc.stderr
-    assert ("no step boundary within 0.5 s of SIGTERM" in proc.stderr) == (mode == "stuck"), proc.stderr
+    assert ("no step boundary within 0.5 s" in proc.stderr) == (mode == "stuck"), proc.stderr
 
 
 def n(kind: str, deadline: float | None, key: str | None = None) -> Notice:
