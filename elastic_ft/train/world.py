@@ -89,8 +89,22 @@ def settle(world: World, timeout: timedelta) -> bool:
     """
     if not world.distributed:
         return True
+    global _barrier_pending
     try:
         dist.barrier(async_op=True).wait(timeout=timeout)
     except RuntimeError:  # gloo's "Operation timed out!", or a peer gone
+        _barrier_pending = True
         return False
     return True
+
+
+_barrier_pending = False
+"""A :func:`settle` barrier timed out and is still queued on the process group (this process's only one)."""
+
+
+def close_world(world: World) -> None:
+    """Leave the process group. After a :func:`settle` that timed out, its barrier is still queued and
+    ``destroy_process_group`` would wait for it (until the peer exits, or the group's timeout): then
+    the group is left to the process exit, which frees it at once."""
+    if world.distributed and not _barrier_pending:
+        dist.destroy_process_group()

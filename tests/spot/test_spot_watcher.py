@@ -153,6 +153,13 @@ while board.level == 0:  # the handler runs between bytecodes
     time.sleep(0.01)
 if sys.argv[1] == "answer":
     handler.answering()  # the loop reached a boundary: it commits, however long that takes
+if sys.argv[1] == "steps":  # steps longer than boundary_s, each ending at a boundary that is not leaving
+    for _ in range(4):
+        handler.boundary(2.5)  # the last step took 2.5 s: the give-up waits 5 s from here
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    sys.exit(3)
 deadline = time.monotonic() + float(sys.argv[3])
 while time.monotonic() < deadline:  # a step that does not end: a collective stuck on a lost peer
     time.sleep(0.05)
@@ -161,15 +168,22 @@ sys.exit(3)
 
 
 # stuck: no boundary, the fallback ends it long before the script's 60 s; answer: the boundary was
-# reached well inside its 2 s, and the script outlives the 2 s by a second without being cut off.
+# reached well inside its 2 s, and the script outlives the 2 s by a second without being cut off; steps: four
+# 1.5 s steps (each longer than boundary_s=1) pass boundaries, and none is cut off.
 @pytest.mark.parametrize("mode, boundary_s, runs_s, code", [
-    ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3)])
+    ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3), ("steps", "1", "0", 3)])
 def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, boundary_s, runs_s, code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == code, proc.stderr
     assert ("no step boundary within 0.5 s" in proc.stderr) == (mode == "stuck"), proc.stderr
+
+
+def test_the_give_up_waits_for_two_steps_when_a_step_is_longer_than_the_boundary_setting():
+    assert watcher_mod.give_up_after_s(10.0, None) == 10.0
+    assert watcher_mod.give_up_after_s(10.0, 3.0) == 10.0
+    assert watcher_mod.give_up_after_s(10.0, 20.0) == 40.0
 
 
 def n(kind: str, deadline: float | None, key: str | None = None) -> Notice:
