@@ -56,8 +56,8 @@ class Notice:
 
 
 class NoticeBoard:
-    """The notices of this process. Thread-safe; re-entrant, since the SIGTERM handler posts too
-    and may interrupt the main thread while it reads the board."""
+    """The notices of this process. Thread-safe: the watcher and the SIGTERM thread post while the
+    loop reads."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
