@@ -53,11 +53,11 @@ elif mode == "mixed":
     dist.destroy_process_group()
     sys.exit(0)
 elif mode == "settle":
-    from elastic_ft.train.world import close_world, settle
+    from elastic_ft.train.world import close_world, exit_process, settle
     if rank == 0:
         print(f"settled {settle(world, timedelta(seconds=1))}", flush=True)
-        close_world(world)
-        sys.exit(0)
+        close_world(world)  # as the worker leaves: run()'s finally, then its exit
+        exit_process(0)
     print("synced", flush=True)
 time.sleep(float(sys.argv[2]))  # rank 1: a peer that holds on without entering the collective
 """
