@@ -212,7 +212,7 @@ def bench_blocked(endpoint, steps: int, every: int, tmp: str, where: str):
 
     spec = load_spec(os.path.join(ROOT, "specs", "tiny-lora.yaml"), [
         f"steps={steps}", f"checkpoint.every_steps={every}", "checkpoint.async_save=true",
-        "checkpoint.keep_last=2",
+        "checkpoint.keep_last=2", "spot.enabled=false",  # no IMDS polling or SIGTERM handler: as before spot
     ])
     log_dir = os.path.join(tmp, "trainer-logs")
     opts = RunOptions(run_id=f"blocked-{uuid.uuid4().hex[:6]}",

@@ -96,7 +96,8 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
     from elastic_ft.train.world import init_world
 
     t_setup = time.monotonic()
-    spec = load_spec(args.spec, ["steps=1000000"] + list(args.overrides))
+    # spot.enabled=false: no IMDS polling or SIGTERM handler in the measured process (as before spot existed).
+    spec = load_spec(args.spec, ["steps=1000000", "spot.enabled=false"] + list(args.overrides))
     world = init_world()  # gloo process group, torch threads = cores // processes
     trainer = Trainer(spec, RunOptions(run_id="bench", checkpoint_uri=f"file://{tmp}/ckpt",
                                        log_dir=os.path.join(tmp, "logs")), world)

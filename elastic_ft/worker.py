@@ -77,4 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    from elastic_ft.train.world import exit_process  # bounded, also after a settle() that timed out
+
+    exit_process(_code)

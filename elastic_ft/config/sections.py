@@ -149,8 +149,9 @@ class SpotConfig:
     sigterm_grace_s: float = 30.0
     """The deadline assumed after SIGTERM (torchrun and Batch SIGKILL 30 s after it; 1 to 3600 s)."""
     sigterm_boundary_s: float = 10.0
-    """Longest wait after SIGTERM for a step boundary; then the worker exits as SIGTERM would have, so a
-    collective stuck on a lost peer does not hold its agent up until the SIGKILL (1 to 3600 s)."""
+    """Longest wait after SIGTERM (or after the last step boundary since) for a step boundary, or two of the
+    last step's duration if longer; then the worker exits as SIGTERM would have, so a collective stuck on a
+    lost peer does not hold its agent up until the SIGKILL (1 to 3600 s)."""
     train_until_deadline: bool = False
     """On a notice with a known deadline, keep training while another step and a commit still fit."""
     margin_s: float = 10.0

@@ -6,10 +6,11 @@ watcher's daemon thread, which sleeps on an event between polls and therefore
 also stops at once when asked.
 
 Not on EC2 the first probe finds no service: after :data:`PROBE_ATTEMPTS` such
-attempts in a row (one slow start must not blind a real spot node for the
-whole run) the watcher logs one line and ends, and SIGTERM remains the only
-signal. Once the service has answered, a failing poll is logged once per
-streak of failures and polling goes on.
+attempts in a row the watcher logs one line and polls on quietly every
+:data:`QUIET_INTERVAL_S` (a slow start on a loaded node must not blind a real
+spot node for the whole run; off EC2 a probe every few minutes costs nothing).
+Once the service has answered, a failing poll is logged once per streak of
+failures and polling goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Callable
@@ -31,6 +33,8 @@ LEAVE_KINDS = ("terminate", "stop", "hibernate", "sigterm")
 LEVEL_NONE, LEVEL_REBALANCE, LEVEL_LEAVE = 0, 1, 2
 """How urgent the board's notices are; ranks agree on the maximum."""
 PROBE_ATTEMPTS = 3
+QUIET_INTERVAL_S = 120.0
+"""The polling interval after the probes found no service (bounded: a late service is still seen)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +56,8 @@ class Notice:
 
 
 class NoticeBoard:
-    """The notices of this process. Thread-safe; re-entrant, since the SIGTERM handler posts too
-    and may interrupt the main thread while it reads the board."""
+    """The notices of this process. Thread-safe: the watcher and the SIGTERM thread post while the
+    loop reads."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -92,15 +96,16 @@ class Watcher:
     """Polls IMDS every ``interval_s`` on a daemon thread and posts what it finds to ``board``."""
 
     def __init__(self, board: NoticeBoard, client: ImdsClient, *, interval_s: float,
-                 wall: Callable[[], float] = time.time) -> None:
+                 quiet_interval_s: float = QUIET_INTERVAL_S, wall: Callable[[], float] = time.time) -> None:
         self.board, self.client, self.interval_s, self.wall = board, client, interval_s, wall
+        self.quiet_interval_s = max(interval_s, quiet_interval_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._answered = False  # the service has answered once: failures from now on are transient
         self._failed_probes = 0
         self._in_trouble = False
         self.quiet = False
-        """True once the watcher gave up: no service at the endpoint."""
+        """True while the probes find no service at the endpoint (polling slowly)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="spot-watcher", daemon=True)
@@ -119,26 +124,27 @@ class Watcher:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self.poll_once():
-                    return
+                self.poll_once()
             except Exception:  # the watcher must outlive a bug in one poll: notices still matter
                 log.exception("spot: unexpected error while polling IMDS; polling goes on")
-            self._stop.wait(self.interval_s)
+            self._stop.wait(self.quiet_interval_s if self.quiet else self.interval_s)
 
     def poll_once(self) -> bool:
-        """One poll; False when the watcher should give up (no service at the endpoint)."""
+        """One poll; False when it failed. The instance action is posted before the rebalance
+        recommendation is fetched: a failing second request must not hide a terminate notice."""
         try:
             action = self.client.instance_action()
+            if action is not None:
+                self._post(Notice(action.action, action.time, self.wall(), f"{action.action}@{action.time}",
+                                  action.problem))
             rebalance = self.client.rebalance()
         except (ImdsUnavailable, ImdsError) as exc:
             return self._failed(exc)
-        self._answered, self._failed_probes = True, 0
+        self._answered, self._failed_probes, self.quiet = True, 0, False
         if self._in_trouble:
             self._in_trouble = False
             log.info("spot: IMDS at %s answers again", self.client.endpoint)
         now = self.wall()
-        if action is not None:
-            self._post(Notice(action.action, action.time, now, f"{action.action}@{action.time}", action.problem))
         if rebalance is not None:
             key = f"rebalance@{rebalance.notice_time if rebalance.notice_time is not None else rebalance.raw}"
             self._post(Notice("rebalance", None, now, key, rebalance.problem))
@@ -147,16 +153,15 @@ class Watcher:
     def _failed(self, exc: Exception) -> bool:
         if not self._answered:
             self._failed_probes += 1
-            if self._failed_probes >= PROBE_ATTEMPTS:
+            if self._failed_probes == PROBE_ATTEMPTS:
                 self.quiet = True
-                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM only", exc,
-                         self._failed_probes)
-                return False
-            return True
+                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM (probing again "
+                         "every %g s)", exc, self._failed_probes, self.quiet_interval_s)
+            return False
         if not self._in_trouble:
             self._in_trouble = True
             log.warning("spot: polling IMDS failed: %s; retrying every %g s", exc, self.interval_s)
-        return True
+        return False
 
     def _post(self, notice: Notice) -> None:
         if not self.board.post(notice):
@@ -170,6 +175,17 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 """The status of a worker that gave up waiting for a step boundary after SIGTERM (as a shell reports death by it)."""
 
 
+def give_up_after_s(boundary_s: float, step_s: float | None) -> float:
+    """How long after SIGTERM (or after the last step boundary since) the fallback waits for a boundary:
+    ``boundary_s``, or two of the last measured steps when a step takes longer (a slow step is no hang)."""
+    return boundary_s if step_s is None else max(boundary_s, 2.0 * step_s)
+
+
+def _ignore(signum, frame) -> None:
+    """The Python-level SIGTERM handler: nothing. The C-level handler behind it writes the signal number
+    to the wakeup fd even while the main thread is blocked in C (a collective); a thread acts on it."""
+
+
 class SigtermHandler:
     """SIGTERM as a notice: posts a ``sigterm`` notice due in ``grace_s``, and makes sure the process still ends.
 
@@ -177,52 +193,86 @@ class SigtermHandler:
     loop must reach a step boundary and act. A loop blocked in a collective
     with a peer that is gone (no TCP reset) would hold the agent up until its
     SIGKILL 30 s later, where the default action ended the worker at once; so
-    if :meth:`answering` is not called within ``boundary_s`` of the signal, the
-    process exits with :data:`SIGTERM_EXIT_CODE`, as it would have without us.
+    if no step boundary (:meth:`boundary`) passes within
+    :func:`give_up_after_s` of the signal or of the last boundary, and the loop
+    is not already leaving (:meth:`answering`), the process exits with
+    :data:`SIGTERM_EXIT_CODE`, as it would have without us.
+
+    Python runs a signal handler only between bytecodes of the main thread,
+    which a blocked collective never reaches; so the work happens on a daemon
+    thread woken through :func:`signal.set_wakeup_fd`, written by CPython's
+    C-level handler. That also keeps locks, logging and thread starts out of
+    the signal handler (which could interrupt the main thread holding them).
     """
 
     def __init__(self, board: NoticeBoard, *, grace_s: float, boundary_s: float,
                  wall: Callable[[], float] = time.time) -> None:
         self.board, self.grace_s, self.boundary_s, self.wall = board, grace_s, boundary_s, wall
-        self._timer: threading.Timer | None = None
         self._answered = threading.Event()
+        self._step_s: float | None = None
+        self._deadline: float | None = None  # monotonic; set after SIGTERM, pushed back at each boundary
         self._previous = None
+        self._previous_fd = -1
+        self._wake: socket.socket | None = None
         self.installed = False
 
     def install(self) -> "SigtermHandler":
         """Only the main thread may install handlers; elsewhere this does nothing."""
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            self.installed = True
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        listen, self._wake = socket.socketpair()
+        self._wake.setblocking(False)  # set_wakeup_fd requires it: a full buffer must not block the handler
+        self._previous = signal.getsignal(signal.SIGTERM)
+        self._previous_fd = signal.set_wakeup_fd(self._wake.fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, _ignore)
+        threading.Thread(target=self._watch, args=(listen,), name="spot-sigterm", daemon=True).start()
+        self.installed = True
         return self
+
+    def boundary(self, step_s: float | None) -> None:
+        """The loop passed a step boundary (its last step took ``step_s``): a pending give-up starts anew."""
+        self._step_s = step_s
+        if self._deadline is not None:
+            self._deadline = time.monotonic() + give_up_after_s(self.boundary_s, step_s)
 
     def answering(self) -> None:
         """The loop has reached a boundary and is acting on the notice: no exit behind its back."""
         self._answered.set()
-        if self._timer is not None:
-            self._timer.cancel()
 
     def restore(self) -> None:
         self.answering()
-        if self.installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous)
+        if not self.installed:
+            return
         self.installed = False
+        if signal.getsignal(signal.SIGTERM) is _ignore:
+            signal.signal(signal.SIGTERM, self._previous)
+        signal.set_wakeup_fd(self._previous_fd)
+        assert self._wake is not None
+        self._wake.close()  # the thread reads end-of-file and ends
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _watch(self, listen: socket.socket) -> None:
+        with listen:
+            while True:
+                try:
+                    data = listen.recv(64)
+                except OSError:
+                    return
+                if not data:  # restored
+                    return
+                if signal.SIGTERM in data:  # other handled signals wake this fd too
+                    break
         now = self.wall()
+        self._deadline = time.monotonic() + give_up_after_s(self.boundary_s, self._step_s)
         if self.board.post(Notice("sigterm", now + self.grace_s, now, "sigterm")):
             log.warning("spot: SIGTERM received; committing and leaving at the next step boundary")
-        if not self._answered.is_set() and self._timer is None:
-            self._timer = threading.Timer(self.boundary_s, self._give_up)
-            self._timer.daemon = True
-            self._timer.start()
+        while not self._answered.wait(max(0.0, self._deadline - time.monotonic())):
+            if time.monotonic() >= self._deadline:  # else a boundary pushed it back meanwhile
+                self._give_up()
 
     def _give_up(self) -> None:
-        if self._answered.is_set():
-            return
-        log.error("spot: no step boundary within %g s of SIGTERM (a collective stuck on a lost peer?); exiting "
-                  "as SIGTERM would have, without a checkpoint", self.boundary_s)
+        log.error("spot: no step boundary within %.3g s (SIGTERM pending; a collective stuck on a lost peer?); "
+                  "exiting as SIGTERM would have, without a checkpoint",
+                  give_up_after_s(self.boundary_s, self._step_s))
         logging.shutdown()
         os._exit(SIGTERM_EXIT_CODE)
 

@@ -47,7 +47,7 @@ from elastic_ft.train.restore import Restorer, optimizer_tensors
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
-    RunAborted, World, broadcast_from_leader, gather_from_all, init_world, sum_over_ranks,
+    RunAborted, World, broadcast_from_leader, close_world, gather_from_all, init_world, sum_over_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -372,5 +372,4 @@ def run(spec: JobSpec, opts: RunOptions) -> dict:
         return trainer.run()
     finally:
         trainer.close()
-        if world.distributed:
-            dist.destroy_process_group()
+        close_world(world)  # bounded, also after a settle() that timed out

@@ -100,9 +100,13 @@ class Preemption:
                                                boundary_s=cfg.sigterm_boundary_s)
 
     def agree(self) -> int:
-        """The most urgent notice level of any rank (one all-reduce; no collective when spot is disabled)."""
-        if not self.cfg.enabled:
-            return LEVEL_NONE
+        """The most urgent notice level of any rank (one all-reduce).
+
+        With several ranks the all-reduce happens even where spot is disabled
+        (its board stays empty: it reports no notice and follows the others),
+        since ``spot.enabled`` may differ between nodes and every rank must
+        make the same collectives.
+        """
         if not self.world.distributed:
             return self.board.level
         self._flag.fill_(self.board.level)
@@ -111,7 +115,10 @@ class Preemption:
 
     def at_boundary(self, trainer: Trainer) -> None:
         """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving."""
-        if self.agree() == LEVEL_NONE:
+        level = self.agree()
+        if self.sigterm is not None:
+            self.sigterm.boundary(trainer.last_step_s)  # a boundary passed: no give-up while steps go on
+        if level == LEVEL_NONE:
             return
         notice, decision = self._decide(trainer)
         if decision.leaves and self.sigterm is not None:

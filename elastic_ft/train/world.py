@@ -7,8 +7,11 @@ trainer reads the same with one rank or many.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -89,8 +92,33 @@ def settle(world: World, timeout: timedelta) -> bool:
     """
     if not world.distributed:
         return True
+    global _barrier_pending
     try:
         dist.barrier(async_op=True).wait(timeout=timeout)
     except RuntimeError:  # gloo's "Operation timed out!", or a peer gone
+        _barrier_pending = True
         return False
     return True
+
+
+_barrier_pending = False
+"""A :func:`settle` barrier timed out and is still queued on the process group (this process's only one)."""
+
+
+def close_world(world: World) -> None:
+    """Leave the process group. After a :func:`settle` that timed out, its barrier is still queued and
+    ``destroy_process_group`` would wait for it (until the peer exits, or the group's timeout): then
+    the group is left to :func:`exit_process`."""
+    if world.distributed and not _barrier_pending:
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """``sys.exit(code)``; after a :func:`settle` that timed out, ``os._exit(code)`` once logs and output
+    are flushed: the process group's teardown at interpreter exit would wait for the barrier still queued."""
+    if _barrier_pending:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

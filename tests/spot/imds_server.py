@@ -27,6 +27,7 @@ class FakeImds:
         self.gets = 0
         self.unauthorized = 0
         self.fail_status: int | None = None  # answer every request with this status while set
+        self.fail_paths: dict[str, int] = {}  # answer GETs of these documents with these statuses
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-imds", daemon=True)
@@ -119,6 +120,8 @@ def _handler(imds: FakeImds):
             if expiry is None or expiry < time.monotonic():
                 imds.unauthorized += 1
                 return 401, ""
+            if self.path in imds.fail_paths:
+                return imds.fail_paths[self.path], ""
             imds.gets += 1
             body = imds.documents.get(self.path)
             return (404, "") if body is None else (200, body)

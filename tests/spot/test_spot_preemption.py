@@ -38,7 +38,8 @@ def command(root: str, run_id: str) -> list[str]:
             "--max-restarts", "0", "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", run_id,
             "--checkpoint_uri", f"file://{root}", "--log_dir", os.path.join(root, run_id, "logs"),
             f"steps={STEPS}", "checkpoint.every_steps=10", "checkpoint.keep_last=null", "logging.ledger=true",
-            "logging.every_steps=1", "spot.poll_interval_s=0.1"]
+            "logging.every_steps=1", "spot.poll_interval_s=0.1",
+            "spot.imds_timeout_s=5"]  # generous: a loaded CI must not time the first probes out
 
 
 def start(root: str, run_id: str, imds_url: str) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from elastic_ft.spot import watcher as watcher_mod
-from elastic_ft.spot.imds import ImdsClient, parse_time
+from elastic_ft.spot.imds import REBALANCE_PATH, ImdsClient, parse_time
 from elastic_ft.spot.watcher import (
     LEVEL_LEAVE, LEVEL_NONE, LEVEL_REBALANCE, Notice, NoticeBoard, Watcher, install_sigterm,
 )
@@ -63,14 +63,43 @@ def test_the_thread_sees_a_notice_switched_on_at_runtime(imds):
     assert not w.alive
 
 
-def test_no_service_logs_one_line_and_stops_polling(caplog):
+def test_no_service_logs_one_line_and_polls_on_quietly(caplog):
     caplog.set_level(logging.INFO, logger=watcher_mod.__name__)
     board, w = make(f"http://127.0.0.1:{free_port()}", interval_s=0.05)
     w.start()
-    wait_until(lambda: not w.alive, "the watcher to give up")
-    assert w.quiet and board.level == LEVEL_NONE
+    try:
+        wait_until(lambda: w.quiet, "the probes to find no service")
+        assert w.alive and board.level == LEVEL_NONE, "the watcher must poll on (slowly), not end"
+    finally:
+        w.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__]
     assert len(lines) == 1 and "not on EC2?" in lines[0] and f"({watcher_mod.PROBE_ATTEMPTS} attempts)" in lines[0]
+
+
+def test_a_service_that_answers_only_after_the_probes_failed_is_still_heard(imds, caplog):
+    caplog.set_level(logging.INFO, logger=watcher_mod.__name__)
+    imds.fail_status = 503  # a slow start: the first probes fail
+    board = NoticeBoard()
+    w = Watcher(board, ImdsClient(imds.url, timeout_s=0.5), interval_s=0.05, quiet_interval_s=0.1)
+    w.start()
+    try:
+        wait_until(lambda: w.quiet, "the probes to fail")
+        imds.fail_status = None
+        imds.set_instance_action({"action": "terminate", "time": WHEN})
+        wait_until(lambda: board.level == LEVEL_LEAVE, "the notice served after the probes failed")
+        wait_until(lambda: not w.quiet, "the watcher to poll at its normal interval again")
+    finally:
+        w.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__]
+    assert len(lines) == 2 and "not on EC2?" in lines[0] and "terminate notice" in lines[1], lines
+
+
+def test_a_failing_rebalance_document_does_not_hide_a_terminate_notice(imds):
+    board, w = make(imds.url)
+    imds.set_instance_action({"action": "terminate", "time": WHEN})
+    imds.fail_paths[REBALANCE_PATH] = 500
+    assert not w.poll_once()
+    assert board.level == LEVEL_LEAVE and board.current()[0].kind == "terminate"
 
 
 def test_failures_after_the_service_answered_are_logged_once_and_polling_goes_on(imds, caplog):
@@ -79,13 +108,13 @@ def test_failures_after_the_service_answered_are_logged_once_and_polling_goes_on
     assert w.poll_once()
     imds.fail_status = 500
     for _ in range(watcher_mod.PROBE_ATTEMPTS + 2):
-        assert w.poll_once(), "a transient failure must not stop the watcher"
+        assert not w.poll_once() and not w.quiet, "a failure after the service answered is transient"
     imds.fail_status = None
     imds.set_instance_action({"action": "terminate", "time": WHEN})
     assert w.poll_once() and board.level == LEVEL_LEAVE
     lines = [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__]
     assert len(lines) == 3
-    assert "polling IMDS failed" in lines[0] and "answers again" in lines[1] and "terminate notice" in lines[2]
+    assert "polling IMDS failed" in lines[0] and "terminate notice" in lines[1] and "answers again" in lines[2]
 
 
 def test_a_malformed_notice_is_a_terminate_logged_once(imds, caplog):
@@ -124,6 +153,13 @@ while board.level == 0:  # the handler runs between bytecodes
     time.sleep(0.01)
 if sys.argv[1] == "answer":
     handler.answering()  # the loop reached a boundary: it commits, however long that takes
+if sys.argv[1] == "steps":  # steps longer than boundary_s, each ending at a boundary that is not leaving
+    for _ in range(4):
+        handler.boundary(2.5)  # the last step took 2.5 s: the give-up waits 5 s from here
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    sys.exit(3)
 deadline = time.monotonic() + float(sys.argv[3])
 while time.monotonic() < deadline:  # a step that does not end: a collective stuck on a lost peer
     time.sleep(0.05)
@@ -132,15 +168,22 @@ sys.exit(3)
 
 
 # stuck: no boundary, the fallback ends it long before the script's 60 s; answer: the boundary was
-# reached well inside its 2 s, and the script outlives the 2 s by a second without being cut off.
+# reached well inside its 2 s, and the script outlives the 2 s by a second without being cut off; steps: four
+# 1.5 s steps (each longer than boundary_s=1) pass boundaries, and none is cut off.
 @pytest.mark.parametrize("mode, boundary_s, runs_s, code", [
-    ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3)])
+    ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3), ("steps", "1", "0", 3)])
 def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, boundary_s, runs_s, code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == code, proc.stderr
-    assert ("no step boundary within 0.5 s of SIGTERM" in proc.stderr) == (mode == "stuck"), proc.stderr
+    assert ("no step boundary within 0.5 s" in proc.stderr) == (mode == "stuck"), proc.stderr
+
+
+def test_the_give_up_waits_for_two_steps_when_a_step_is_longer_than_the_boundary_setting():
+    assert watcher_mod.give_up_after_s(10.0, None) == 10.0
+    assert watcher_mod.give_up_after_s(10.0, 3.0) == 10.0
+    assert watcher_mod.give_up_after_s(10.0, 20.0) == 40.0
 
 
 def n(kind: str, deadline: float | None, key: str | None = None) -> Notice:
