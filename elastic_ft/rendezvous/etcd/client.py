@@ -2,7 +2,7 @@
 
 Everything else in :mod:`elastic_ft.rendezvous` talks to etcd through it: read
 one or many keys, write many keys, one compare-and-put transaction, delete,
-count, wait for a key through a watch, and a lease that keeps written keys
+count, wait for keys through a watch, and a lease that keeps written keys
 alive while this process writes. It composes the modules of this package:
 :mod:`.failover` (sessions, retries, outages), :mod:`.kv`, :mod:`.watch` and
 :mod:`.lease`.
