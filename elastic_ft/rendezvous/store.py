@@ -139,7 +139,7 @@ class EtcdStore(dist.Store):
             missing = [k for k in full if k not in found]
             values = self._client.wait_for_keys(missing, min(deadline, time.monotonic() + interval))
             found.update((k, v) for k, v in zip(missing, values) if v is not None)
-            if len(found) == len(full) or time.monotonic() >= deadline:
+            if all(k in found for k in full) or time.monotonic() >= deadline:
                 return [found.get(k) for k in full]
             reason = check()
             if reason is None:
@@ -147,7 +147,7 @@ class EtcdStore(dist.Store):
             missing = [k for k in full if k not in found]
             # They may have landed while we checked.
             found.update((k, v) for k, v in zip(missing, self._client.get_many(missing)) if v is not None)
-            if len(found) == len(full):
+            if all(k in found for k in full):
                 return [found.get(k) for k in full]
             lost = next(k for k in full if k not in found)[len(self._prefix):]
             raise WritersLostError(
