@@ -126,24 +126,32 @@ class EtcdStore(dist.Store):
             raise ValueError(f"The writer check interval ({interval}) must be positive.")
         self._writer_check = (check, interval)
 
-    def _wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
-        """The client's wait for ``key`` until ``deadline``, in slices between writer checks."""
-        full = self._key(key)
+    def _wait_for_keys(self, keys: Sequence[str], deadline: float) -> list[KeyValue | None]:
+        """The client's wait for ``keys`` until ``deadline`` (``None`` for those
+        still missing then), in slices between writer checks."""
+        full = [self._key(k) for k in keys]
         if self._writer_check is None:
-            return self._client.wait_for_key(full, deadline)
+            return self._client.wait_for_keys(full, deadline)
         check, interval = self._writer_check
+        found: dict[str, KeyValue] = {}
         while True:
-            found = self._client.wait_for_key(full, min(deadline, time.monotonic() + interval))
-            if found is not None or time.monotonic() >= deadline:
-                return found
+            # A key seen once counts as there: only the missing ones are waited for again.
+            missing = [k for k in full if k not in found]
+            values = self._client.wait_for_keys(missing, min(deadline, time.monotonic() + interval))
+            found.update((k, v) for k, v in zip(missing, values) if v is not None)
+            if all(k in found for k in full) or time.monotonic() >= deadline:
+                return [found.get(k) for k in full]
             reason = check()
             if reason is None:
                 continue
-            found, _ = self._client.get(full)  # it may have landed while we checked
-            if found is not None:
-                return found
+            missing = [k for k in full if k not in found]
+            # They may have landed while we checked.
+            found.update((k, v) for k, v in zip(missing, self._client.get_many(missing)) if v is not None)
+            if all(k in found for k in full):
+                return [found.get(k) for k in full]
+            lost = next(k for k in full if k not in found)[len(self._prefix):]
             raise WritersLostError(
-                f"The etcd store ({self._prefix}) stopped waiting for the key {key!r}: {reason}; "
+                f"The etcd store ({self._prefix}) stopped waiting for the key {lost!r}: {reason}; "
                 f"its writer will not come back to this round."
             )
 
@@ -319,15 +327,10 @@ class EtcdStore(dist.Store):
     def _wait_all(self, keys: Sequence[str], timeout: timedelta | None) -> list[bytes]:
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout.total_seconds()
-        values = []
-        for key in keys:
-            found = self._run(
-                "wait for a key", lambda: self._wait_for_key(key, deadline)
-            )
-            if found is None:
-                raise self._wait_timeout(keys, timeout)
-            values.append(found.value)
-        return values
+        found = self._run("wait for keys", lambda: self._wait_for_keys(keys, deadline))
+        if any(f is None for f in found):
+            raise self._wait_timeout(keys, timeout)
+        return [f.value for f in found]  # type: ignore[union-attr]
 
     def _wait_timeout(self, keys: Sequence[str], timeout: timedelta) -> dist.DistStoreError:
         """The error of a wait that timed out, worded as torch's stores word it

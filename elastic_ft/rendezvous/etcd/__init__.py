@@ -7,7 +7,7 @@
 - ``session``: one gRPC channel to one member, TLS and authentication.
 - ``failover``: moving between members, bounded retries, the record of outages.
 - ``kv``: reads, writes, the compare-and-put transaction, prefix ranges.
-- ``watch``: waiting for a key to appear.
+- ``watch``: waiting for keys to appear (one read and one watch for many keys).
 - ``lease``: the lease every written key is attached to.
 - ``client``: :class:`EtcdClient`, the interface the rest of the package uses.
 

@@ -2,7 +2,7 @@
 
 Everything else in :mod:`elastic_ft.rendezvous` talks to etcd through it: read
 one or many keys, write many keys, one compare-and-put transaction, delete,
-count, wait for a key through a watch, and a lease that keeps written keys
+count, wait for keys through a watch, and a lease that keeps written keys
 alive while this process writes. It composes the modules of this package:
 :mod:`.failover` (sessions, retries, outages), :mod:`.kv`, :mod:`.watch` and
 :mod:`.lease`.
@@ -79,8 +79,13 @@ class EtcdClient:
 
     def get_many(self, keys: Sequence[str]) -> list[KeyValue | None]:
         """Read several keys in one transaction (one consistent revision)."""
-        if not keys:
-            return []
+        return self._read_many(keys)[0] if keys else []
+
+    def _read_many(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
+        """Values of ``keys`` and the store revision read at; one key is one plain read."""
+        if len(keys) == 1:
+            value, revision = self.get(keys[0])
+            return [value], revision
         return self._failover.call("get", lambda s: kv.get_many(s, keys))
 
     def put_many(self, items: Sequence[tuple[str, bytes]], lease: bool = True) -> None:
@@ -124,7 +129,17 @@ class EtcdClient:
 
         ``deadline`` is a :func:`time.monotonic` value; see :mod:`.watch`.
         """
-        return watch.wait_for_key(self._failover, self.get, key, deadline)
+        return self.wait_for_keys([key], deadline)[0]
+
+    def wait_for_keys(self, keys: Sequence[str], deadline: float) -> list[KeyValue | None]:
+        """Block until every key exists, through one etcd watch; their values, in order.
+
+        Keys still missing at ``deadline`` (a :func:`time.monotonic` value)
+        are ``None``; see :mod:`.watch`.
+        """
+        if not keys:
+            return []
+        return watch.wait_for_keys(self._failover, self._read_many, keys, deadline)
 
     # -- lease -----------------------------------------------------------------
 

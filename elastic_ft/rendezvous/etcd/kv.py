@@ -58,11 +58,12 @@ def get(session: Any, key: str) -> tuple[KeyValue | None, int]:
     return _first(response.kvs), response.header.revision
 
 
-def get_many(session: Any, keys: Sequence[str]) -> list[KeyValue | None]:
-    """Several keys read in one transaction (one consistent revision)."""
+def get_many(session: Any, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
+    """Several keys read in one transaction: their values (or ``None``) and the
+    store revision, one for all of them, they were read at."""
     ops = [wire.message("RequestOp", request_range=_range(k)) for k in keys]
     response = session.call(wire.TXN, wire.message("TxnRequest", success=ops))
-    return [_first(op.response_range.kvs) for op in response.responses]
+    return [_first(op.response_range.kvs) for op in response.responses], response.header.revision
 
 
 def put_many(session: Any, items: Sequence[tuple[str, bytes]], lease_id: int | None) -> None:

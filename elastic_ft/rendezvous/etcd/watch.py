@@ -1,7 +1,7 @@
-"""Waiting for a key to appear, through an etcd watch that survives faults.
+"""Waiting for keys to appear, through an etcd watch that survives faults.
 
-The watch starts right after the revision at which the key was read missing,
-so a put between the read and the watch is not lost. A watch broken by a
+The watch starts right after the revision at which the keys were read
+missing, so a put between the read and the watch is not lost. A watch broken by a
 connection fault is set up again (after a fresh read) until the deadline.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from . import wire
 from .errors import EtcdClientError, describe, grpc_code, hint, is_auth_token_error, is_transient
@@ -20,26 +20,33 @@ from .kv import KeyValue
 log = logging.getLogger(__name__)
 
 
-def wait_for_key(
+def wait_for_keys(
     failover: Failover,
-    read: Callable[[str], tuple[KeyValue | None, int]],
-    key: str,
+    read: Callable[[list[str]], tuple[list[KeyValue | None], int]],
+    keys: Sequence[str],
     deadline: float,
-) -> KeyValue | None:
-    """Block until ``key`` exists; ``None`` at ``deadline`` (a :func:`time.monotonic` value).
+) -> list[KeyValue | None]:
+    """Block until every key of ``keys`` exists; their values, in order.
 
-    ``read`` is the retried read of one key (value and store revision).
+    At ``deadline`` (a :func:`time.monotonic` value) the keys still missing
+    are ``None``. A key seen once counts as there, as in a wait key by key.
+    ``read`` is the retried read of several keys at one store revision
+    (values and that revision). One read and one watch over the range of the
+    missing keys serve the whole wait, however many keys: agents meeting at a
+    barrier of N keys would otherwise cost etcd N reads and watches each.
     Raises :class:`EtcdClientError` when etcd refuses the watch itself.
     """
+    found: dict[str, KeyValue] = {}
     while True:
-        current, revision = read(key)
-        if current is not None:
-            return current
+        missing = [k for k in keys if k not in found]
+        values, revision = read(missing)
+        found.update((k, v) for k, v in zip(missing, values) if v is not None)
+        missing = [k for k in missing if k not in found]
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
+        if not missing or remaining <= 0:
+            return [found.get(k) for k in keys]
         try:
-            found = watch_for_put(failover.session(), key, revision + 1, remaining)
+            found.update(watch_for_puts(failover.session(), missing, revision + 1, remaining))
         except Exception as exc:
             if time.monotonic() >= deadline:
                 # The stream ended at the deadline, whatever gRPC calls it;
@@ -47,30 +54,32 @@ def wait_for_key(
                 continue
             if not is_transient(exc) and not is_auth_token_error(exc):
                 raise EtcdClientError(
-                    f"Watching the etcd key {key!r} at {failover.endpoint} failed: "
-                    f"{describe(exc)}. {hint(exc)}"
+                    f"Watching {_naming(missing)} at {failover.endpoint} failed: {describe(exc)}. {hint(exc)}"
                 ) from exc
-            log.warning("The etcd watch on %r at %s broke (%s); reading the key again.", key, failover.endpoint,
-                        describe(exc))
+            log.warning("The etcd watch on %s at %s broke (%s); reading again.", _naming(missing),
+                        failover.endpoint, describe(exc))
             failover.drop(failover=is_transient(exc))
             # Do not spin while etcd is down: the read above retries with backoff.
             continue
-        if found is not None:
-            return found
-        if time.monotonic() >= deadline:
-            return None
+        if all(k in found for k in keys) or time.monotonic() >= deadline:
+            return [found.get(k) for k in keys]
 
 
-def watch_for_put(session: Any, key: str, start_revision: int, timeout: float) -> KeyValue | None:
-    """One watch stream: the first PUT of ``key`` at or after ``start_revision``.
+def watch_for_puts(session: Any, keys: Sequence[str], start_revision: int, timeout: float) -> dict[str, KeyValue]:
+    """One watch stream: the first PUT of each of ``keys`` at or after ``start_revision``.
 
-    ``None`` when ``timeout`` passes first or the start revision was compacted
-    away (the caller reads again).
+    The stream watches the key range from the smallest to the largest of
+    ``keys`` and ignores the other keys in it. Returns when every key was put,
+    or with those seen so far when ``timeout`` passes first or the start
+    revision was compacted away (the caller reads again).
     """
     import grpc
 
+    wanted = {k.encode(): k for k in keys}
     done = threading.Event()
-    create = wire.message("WatchCreateRequest", key=key.encode(), start_revision=start_revision)
+    create = wire.message(
+        "WatchCreateRequest", key=min(wanted), range_end=max(wanted) + b"\0", start_revision=start_revision
+    )
 
     def requests() -> Iterator[Any]:
         yield wire.message("WatchRequest", create_request=create)
@@ -78,21 +87,32 @@ def watch_for_put(session: Any, key: str, start_revision: int, timeout: float) -
         # treats a half-closed watch stream as finished.
         done.wait()
 
+    found: dict[str, KeyValue] = {}
     stream = session.stream(wire.WATCH, requests(), timeout)
     try:
         for response in stream:
             if response.compact_revision:
-                return None
+                return found
             if response.canceled:
-                raise EtcdClientError(f"etcd cancelled the watch on {key!r}: {response.cancel_reason}")
+                raise EtcdClientError(f"etcd cancelled the watch on {_naming(keys)}: {response.cancel_reason}")
             for event in response.events:
-                if event.type == wire.EVENT_PUT:
-                    return KeyValue(event.kv.value, event.kv.mod_revision)
+                key = wanted.get(event.kv.key)
+                if event.type == wire.EVENT_PUT and key is not None and key not in found:
+                    found[key] = KeyValue(event.kv.value, event.kv.mod_revision)
+            if len(found) == len(wanted):
+                return found
     except grpc.RpcError as exc:
         if grpc_code(exc) == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return None
+            return found
         raise
     finally:
         done.set()
         stream.cancel()
-    return None
+    return found
+
+
+def _naming(keys: Sequence[str]) -> str:
+    """``the etcd key 'a'``, or ``the etcd keys 'a' and 3 more``, for messages."""
+    if len(keys) == 1:
+        return f"the etcd key {keys[0]!r}"
+    return f"the etcd keys {keys[0]!r} and {len(keys) - 1} more"
