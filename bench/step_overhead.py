@@ -8,19 +8,27 @@ from ``labels=``, ``no_sync`` on all but the last micro-batch, gradient
 clipping, no cross-rank metrics. The trainer's step is
 ``elastic_ft.train.loop.Trainer.step_once`` (LR schedule, global-token loss
 normalisation, the token-weighted loss all-reduce every ``logging.every_steps``,
-events and progress line).
+events and progress line) after the spot boundary (below).
 
 The world is ``--world`` processes (default 2) started with
 ``torch.multiprocessing`` spawn, joined by gloo on 127.0.0.1, with cores/world torch threads each (as under
 torchrun; 1 each for world 2 on a 2-core machine).
-After a warm-up, steps are timed in alternating blocks (default: single
-steps, trainer then baseline, then the other way round) so drift from other
+After a warm-up, steps are timed in alternating blocks (trainer then
+baseline, then the other way round) so drift from other
 load on the machine hits both alike. Reported: the median per-step time of
-each, their ratio, the median of the paired per-block ratios (robust when
-the machine's load swings during the run), and rank 0's CPU time per step
-(which leaves out time spent waiting for a core on a busy machine).
+each, their ratio, the paired per-block ratios of wall time and of rank 0's
+CPU time (which leaves out time spent waiting for a core on a busy machine),
+each with its median, interquartile range and a bootstrap 95% interval of
+the median (robust when the machine's load swings during the run).
 
-    python bench/step_overhead.py [--steps 40] [--block 1] [--world 2] [--spec specs/tiny-lora.yaml]
+The trainer's step is what ``Trainer.run`` does per step: the spot boundary
+(the ranks' notice agreement, where the checkout has one) and ``step_once``.
+The script measures whatever ``elastic_ft`` is first on the path
+(``PYTHONPATH=<checkout>``), so one statistic compares two checkouts, e.g.
+the "before" commit run alternately with the current tree. ``--profile``
+prints a cProfile of rank 0's trainer steps.
+
+    python bench/step_overhead.py [--steps 200] [--block 5] [--world 2] [--profile] [--spec specs/tiny-lora.yaml]
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# Appended, not prepended: with PYTHONPATH=<another checkout> this same script measures that checkout's
+# trainer (e.g. the "before" commit), so before and after are timed by one bench with one statistic.
+sys.path.append(ROOT)
 
 from tests.ports import free_port  # noqa: E402  (after the path set-up above)
 
@@ -79,6 +89,21 @@ class Baseline:
         return loss_val
 
 
+def _imports():
+    """``init_world`` and the spec overrides of the checkout on the path (it moved; spot came later)."""
+    try:
+        from elastic_ft.train.world import init_world
+    except ImportError:  # the "before" commit kept it in the loop module
+        from elastic_ft.train.loop import init_world
+    try:
+        from elastic_ft.config import SpotConfig  # noqa: F401
+    except ImportError:
+        return init_world, []
+    # spot.enabled=false: no IMDS polling or SIGTERM handler in the measured process (as before spot existed);
+    # the per-step agreement still runs, as it does in every multi-rank run.
+    return init_world, ["spot.enabled=false"]
+
+
 def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.world))
@@ -93,17 +118,23 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
     from elastic_ft.config import load_spec
     from elastic_ft.train.cursor import deal, take
     from elastic_ft.train.loop import RunOptions, Trainer
-    from elastic_ft.train.world import init_world
 
+    init_world, extra = _imports()
     t_setup = time.monotonic()
-    # spot.enabled=false: no IMDS polling or SIGTERM handler in the measured process (as before spot existed).
-    spec = load_spec(args.spec, ["steps=1000000", "spot.enabled=false"] + list(args.overrides))
+    spec = load_spec(args.spec, ["steps=1000000"] + extra + list(args.overrides))
     world = init_world()  # gloo process group, torch threads = cores // processes
     trainer = Trainer(spec, RunOptions(run_id="bench", checkpoint_uri=f"file://{tmp}/ckpt",
                                        log_dir=os.path.join(tmp, "logs")), world)
     base = Baseline(spec, world, trainer.data, trainer.model, trainer.ddp)
     plan = trainer.plan
     cursor = [0]
+    boundary = getattr(getattr(trainer, "preemption", None), "at_boundary", None)
+
+    def trainer_step() -> None:
+        # What Trainer.run does around each step (fault injection and the due-check aside).
+        if boundary is not None:
+            boundary(trainer)
+        trainer.step_once()
 
     def baseline_step() -> None:
         positions = take(cursor[0], plan.global_batch, len(trainer.data), spec.seed)
@@ -121,16 +152,18 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
             cpu.append(time.process_time() - c0)
 
     setup_s = time.monotonic() - t_setup
-    steps = {"trainer": trainer.step_once, "baseline": baseline_step}
+    steps = {"trainer": trainer_step, "baseline": baseline_step}
     for fn in steps.values():
         timed(fn, args.warmup, [], [])
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)
+    prof = _profiler(args.profile and world.is_leader)
     for b in range(max(1, args.steps // args.block)):
         # A B B A ...: each loop goes first half the time, so neither gains from the order.
         for name in (order if b % 2 == 0 else order[::-1]):
-            timed(steps[name], args.block, wall[name], cpu[name])
+            with prof(name):
+                timed(steps[name], args.block, wall[name], cpu[name])
     if world.is_leader:
         with open(result_path, "w") as f:
             import json
@@ -138,21 +171,64 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
             json.dump({"trainer": wall["trainer"], "baseline": wall["baseline"], "trainer_cpu": cpu["trainer"],
                        "baseline_cpu": cpu["baseline"], "setup_s": setup_s, "plan": plan.to_dict(),
                        "threads": torch.get_num_threads()}, f)
+    prof.report()
     trainer.close()
     if world.distributed:
         dist.destroy_process_group()
 
 
+class _profiler:
+    """cProfile of rank 0's trainer blocks only (``--profile``): where the trainer's extra time goes."""
+
+    def __init__(self, enabled: bool) -> None:
+        import cProfile
+
+        self.prof = cProfile.Profile() if enabled else None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        on = self.prof is not None and name == "trainer"
+        if on:
+            self.prof.enable()
+        try:
+            yield
+        finally:
+            if on:
+                self.prof.disable()
+
+    def report(self) -> None:
+        if self.prof is not None:
+            import pstats
+
+            pstats.Stats(self.prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+
+def spread(xs: list[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float, float, float]:
+    """Median, interquartile range and a bootstrap 95% confidence interval of the median of ``xs``.
+
+    The resampling uses a fixed seed, so one set of timings always prints the same interval.
+    """
+    import random
+
+    rng = random.Random(seed)
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    return statistics.median(xs), q1, q3, meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="timed steps of each loop (after warm-up)")
-    p.add_argument("--block", type=int, default=1, help="steps per interleaved block")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop first")
+    p.add_argument("--steps", type=int, default=200, help="timed steps of each loop (after warm-up)")
+    p.add_argument("--block", type=int, default=5, help="steps per interleaved block")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each loop first")
     p.add_argument("--world", type=int, default=2,
                    help="processes (gloo on 127.0.0.1); each gets cores/world torch threads, as under torchrun")
     p.add_argument("--spec", default=os.path.join(ROOT, "specs", "tiny-lora.yaml"))
+    p.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's trainer steps")
     p.add_argument("overrides", nargs="*", help="spec overrides field.path=value")
     args = p.parse_args(argv)
+    if args.steps < 4 * args.block:
+        p.error(f"--steps ({args.steps}) must be at least 4 blocks of --block ({args.block}) for a spread")
 
     import torch.multiprocessing as mp
 
@@ -164,8 +240,11 @@ def main(argv=None) -> int:
 
         with open(result_path) as f:
             r = json.load(f)
+    import elastic_ft
+
     tr, bl = statistics.median(r["trainer"]) * 1e3, statistics.median(r["baseline"]) * 1e3
     plan = r["plan"]
+    print(f"code: {os.path.dirname(os.path.dirname(os.path.abspath(elastic_ft.__file__)))}")
     print(f"setup: world {args.world} (torch.multiprocessing spawn, gloo on 127.0.0.1, {r['threads']} thread(s) "
           f"per process), spec {os.path.relpath(args.spec)}, global_batch {plan['global_batch']}, "
           f"per_rank {plan['per_rank']}, micro_batch {plan['micro_batch']}")
@@ -176,11 +255,17 @@ def main(argv=None) -> int:
           f"baseline {blc:.2f} ms/step, ratio {trc / blc:.3f}")
     print(f"trainer : median {tr:8.2f} ms/step (p10 {_pct(r['trainer'], 10):.2f}, p90 {_pct(r['trainer'], 90):.2f})")
     print(f"baseline: median {bl:8.2f} ms/step (p10 {_pct(r['baseline'], 10):.2f}, p90 {_pct(r['baseline'], 90):.2f})")
-    k = args.block
-    pairs = [sum(r["trainer"][i : i + k]) / sum(r["baseline"][i : i + k]) for i in range(0, len(r["trainer"]), k)]
-    print(f"median of {len(pairs)} paired block ratios = {statistics.median(pairs):.3f}")
+    for what, t, b in (("wall", "trainer", "baseline"), ("rank-0 cpu", "trainer_cpu", "baseline_cpu")):
+        med, q1, q3, lo, hi = spread(_block_ratios(r[t], r[b], args.block))
+        print(f"paired block ratio, {what} (trainer/baseline, {len(r[t]) // args.block} blocks): median {med:.3f}, "
+              f"IQR {q1:.3f}-{q3:.3f}, bootstrap 95% CI of the median {lo:.3f}-{hi:.3f}")
     print(f"ratio trainer/baseline = {tr / bl:.3f} (target <= 1.03)")
     return 0
+
+
+def _block_ratios(trainer: list[float], baseline: list[float], k: int) -> list[float]:
+    """Trainer over baseline time of each pair of blocks of ``k`` steps (timed back to back)."""
+    return [sum(trainer[i : i + k]) / sum(baseline[i : i + k]) for i in range(0, len(trainer), k)]
 
 
 def _pct(xs: list[float], q: int) -> float:
