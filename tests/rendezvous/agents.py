@@ -26,15 +26,14 @@ GLOO_JOB = Path(__file__).with_name("gloo_job.py")
 def child_env(**extra: str) -> dict[str, str]:
     """The agents' environment: the venv first on PATH, INFO logs, no inherited knobs.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE and PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION
-    are removed on purpose: a plain torchrun in a fresh shell must work.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE is removed on purpose: a plain torchrun
+    in a fresh shell must work.
     """
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env["LOGLEVEL"] = "INFO"
-    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION",
-                 "ELASTIC_FT_FAULTS"):
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ELASTIC_FT_FAULTS"):
         env.pop(name, None)
     env.update(extra)
     return env

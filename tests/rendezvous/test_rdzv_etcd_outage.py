@@ -47,7 +47,7 @@ def heartbeat_ages(endpoint: str, run_id: str) -> dict[str, float] | str:
         return f"etcd did not answer: {exc}"
     finally:
         if handler is not None:
-            handler._store.client.close()  # not shutdown(): that would close the rendezvous
+            handler.etcd_client.close()  # not shutdown(): that would close the rendezvous
     if state is None:
         return "no rendezvous state in etcd"
     now = time.time()

@@ -213,6 +213,13 @@ def tls_conf(tls_files, **extra: str) -> dict[str, str]:
     return conf
 
 
+def assert_reads_its_write(client, run_id: str) -> None:
+    """The handler's own etcd client writes a key and reads it back (over TLS, or with auth)."""
+    key = f"elastic_ft/test/{run_id}/k"
+    client.put_many([(key, b"v")])
+    assert client.get(key)[0].value == b"v"
+
+
 def test_tls_and_auth_work_with_the_right_credentials(etcd_tls, tls_files, run_id):
     handler = create_handler(
         params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password=ROOT_PASSWORD))
@@ -221,8 +228,7 @@ def test_tls_and_auth_work_with_the_right_credentials(etcd_tls, tls_files, run_i
     state, _, written = backend.set_state(b"secure")
     assert (state, written) == (b"secure", True)
     assert backend.get_state()[0] == b"secure"
-    handler._store.set("k", "v")
-    assert handler._store.get("k") == b"v"
+    assert_reads_its_write(handler.etcd_client, run_id)
 
 
 def test_tls_and_auth_fail_clearly_without_credentials(etcd_tls, tls_files, run_id):
@@ -264,7 +270,6 @@ def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, 
         create_handler(params(etcd_auth_plain.endpoint, run_id, **conf))
     handler = create_handler(params(etcd_auth_plain.endpoint, run_id, insecure_auth="true", **conf))
     try:
-        handler._store.set("k", "v")
-        assert handler._store.get("k") == b"v"
+        assert_reads_its_write(handler.etcd_client, run_id)
     finally:
-        handler._store.client.close()
+        handler.etcd_client.close()
