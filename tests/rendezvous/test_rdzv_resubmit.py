@@ -37,22 +37,30 @@ def rendezvous_state(endpoint: str, run_id: str):  # type: ignore[no-untyped-def
     return lambda: rendezvous_state_of(backend)
 
 
+def run_twice(endpoint: str, run_id: str, out, job: dict, check_first):  # type: ignore[no-untyped-def]
+    """One agent runs ``job`` to its end; ``check_first(exit code, rendezvous state, agent)``; then the
+    same command again: its agent and exit code. Agents left running are stopped."""
+    state = rendezvous_state(endpoint, run_id)
+    first = torchrun_agent(endpoint, run_id, out, name="first", **job)
+    agents = [first]
+    try:
+        check_first(first.wait(timeout=120), state(), first)
+        again = torchrun_agent(endpoint, run_id, out, name="again", **job)
+        agents.append(again)
+        return again, again.wait(timeout=120)
+    finally:
+        stop_leftovers(agents)
+
+
 def test_same_command_after_the_run_completed_finds_it_done(etcd, run_id, tmp_path):
     """Run to completion, then the same command: it forms a rendezvous, the job
     reads its progress (all steps done), runs none again and exits 0."""
+    def completed(code: int, state, first) -> None:  # type: ignore[no-untyped-def]
+        assert code == 0, first.tail()
+        assert state.closed and not state.participants  # completed: closed, and it left
+
     job = dict(nproc=1, nnodes="1", steps=3, max_restarts=0)
-    state = rendezvous_state(etcd.endpoint, run_id)
-    first = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="first", **job)
-    agents = [first]
-    try:
-        assert first.wait(timeout=120) == 0, first.tail()
-        closed = state()
-        assert closed.closed and not closed.participants  # completed: closed, and it left
-        again = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="again", **job)
-        agents.append(again)
-        code = again.wait(timeout=120)
-    finally:
-        stop_leftovers(agents)
+    again, code = run_twice(etcd.endpoint, run_id, tmp_path, job, completed)
     assert code == 0, again.tail()
     assert "RendezvousClosedError" not in again.tail(20000)
     # The second job started its worker (a second incarnation) and found nothing to do.
@@ -63,20 +71,13 @@ def test_same_command_after_the_run_completed_finds_it_done(etcd, run_id, tmp_pa
 def test_same_command_after_the_job_failed_resumes_it(etcd, run_id, tmp_path):
     """Workers fail past --max-restarts (torchrun then shuts the handler down);
     the same command resumes from the progress the failed job left."""
-    job = dict(nproc=1, nnodes="1", steps=5, max_restarts=0, job_args=("--fail-once-at", "3"))
-    state = rendezvous_state(etcd.endpoint, run_id)
-    first = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="first", **job)
-    agents = [first]
-    try:
-        assert first.wait(timeout=120) != 0, first.tail()
+    def failed(code: int, state, first) -> None:  # type: ignore[no-untyped-def]
+        assert code != 0, first.tail()
         assert step_counts(tmp_path) == {1: 1, 2: 1}
-        left = state()
-        assert not left.closed and not left.participants  # failed: it left, the run stays open
-        again = torchrun_agent(etcd.endpoint, run_id, tmp_path, name="again", **job)
-        agents.append(again)
-        code = again.wait(timeout=120)
-    finally:
-        stop_leftovers(agents)
+        assert not state.closed and not state.participants  # failed: it left, the run stays open
+
+    job = dict(nproc=1, nnodes="1", steps=5, max_restarts=0, job_args=("--fail-once-at", "3"))
+    again, code = run_twice(etcd.endpoint, run_id, tmp_path, job, failed)
     assert code == 0, again.tail()
     assert step_counts(tmp_path) == {step: 1 for step in range(1, 6)}
 
