@@ -79,7 +79,10 @@ def _handler(imds: FakeImds):
         def log_message(self, *args) -> None:  # keep test output clean
             pass
 
-        def _answer(self, status: int, body: str = "") -> None:
+        def _reply(self, decide) -> None:  # type: ignore[no-untyped-def]
+            """Answer with ``decide()``'s (status, body), decided under the fake's lock (or its failure)."""
+            with imds._lock:
+                status, body = (imds.fail_status, "") if imds.fail_status is not None else decide()
             data = body.encode()
             self.send_response(status)
             self.send_header("Content-Type", "text/plain")
@@ -88,13 +91,12 @@ def _handler(imds: FakeImds):
             self.wfile.write(data)
 
         def do_PUT(self) -> None:
-            with imds._lock:
-                status, body = self._token()
-            self._answer(status, body)
+            self._reply(self._token)
+
+        def do_GET(self) -> None:
+            self._reply(self._document)
 
         def _token(self) -> tuple[int, str]:
-            if imds.fail_status is not None:
-                return imds.fail_status, ""
             if self.path != TOKEN_PATH:
                 return 403, ""
             try:
@@ -108,14 +110,7 @@ def _handler(imds: FakeImds):
             imds.token_puts += 1
             return 200, token
 
-        def do_GET(self) -> None:
-            with imds._lock:
-                status, body = self._document()
-            self._answer(status, body)
-
         def _document(self) -> tuple[int, str]:
-            if imds.fail_status is not None:
-                return imds.fail_status, ""
             expiry = imds.tokens.get(self.headers.get("X-aws-ec2-metadata-token", ""))
             if expiry is None or expiry < time.monotonic():
                 imds.unauthorized += 1
