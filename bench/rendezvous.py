@@ -261,12 +261,10 @@ def main() -> None:
     # The handlers log every state change at INFO; keep the table readable.
     logging.basicConfig(level=logging.ERROR)
 
-    # Import the etcd client's gRPC and build its messages here, once, as the
-    # c10d side has torch's TCPStore loaded: the forked members share them.
+    # Import gRPC here, once, as the c10d side has torch's TCPStore loaded: the
+    # forked members share the loaded modules. Each member builds its messages
+    # when its handler connects, before the clock starts.
     import elastic_ft.rendezvous.etcd.session  # noqa: F401
-    from elastic_ft.rendezvous.etcd import wire
-
-    wire.messages()
     server = None
     endpoint = args.etcd_endpoint
     if endpoint is None:
