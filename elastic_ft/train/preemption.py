@@ -81,7 +81,7 @@ def most_urgent(notices: list[Notice]) -> Notice | None:
 AGREE_WITHIN_S = 1.0
 """The longest a notice waits, in steps of this many seconds, before the ranks next agree on it."""
 
-_MAX_STEP_MS = 2**31 - 1  # int32: a step time in ms is clamped to it
+_MAX_STEP_US = 2**31 - 1  # int32: a step time in us is clamped to it (35 min; any step over 1 s agrees each time)
 
 
 def agree_every(step_s: float) -> int:
@@ -107,7 +107,7 @@ class Preemption:
         self.board = NoticeBoard()
         self.settings = PolicySettings(on_rebalance=cfg.on_rebalance, train_until_deadline=cfg.train_until_deadline,
                                        margin_s=cfg.margin_s)
-        # [notice level, slowest step in ms], allocated once on the process group's device.
+        # [notice level, slowest step in us], allocated once on the process group's device.
         self._flag = torch.zeros(2, dtype=torch.int32, device=world.device)
         self._skip = 0  # boundaries left before the next agreement (the same on every rank)
         self._handled: set[str] = set()  # rebalance recommendations already answered
@@ -139,11 +139,11 @@ class Preemption:
             return LEVEL_NONE
         # The slowest rank's step time travels with the level (both MAX), so every rank
         # derives the same cadence from the same agreed value.
-        step_ms = min(_MAX_STEP_MS, round((step_s or 0.0) * 1e3))
-        self._flag.copy_(torch.tensor([self.board.level, step_ms], dtype=torch.int32))
+        step_us = min(_MAX_STEP_US, round((step_s or 0.0) * 1e6))
+        self._flag.copy_(torch.tensor([self.board.level, step_us], dtype=torch.int32))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        level, slowest_ms = self._flag.tolist()  # one read: on NCCL one device sync per agreement
-        self._skip = 0 if level != LEVEL_NONE else agree_every(slowest_ms / 1e3) - 1
+        level, slowest_us = self._flag.tolist()  # one read: on NCCL one device sync per agreement
+        self._skip = 0 if level != LEVEL_NONE else agree_every(slowest_us / 1e6) - 1
         return level
 
     def at_boundary(self, trainer: Trainer) -> None:
