@@ -367,9 +367,13 @@ class Trainer:
 def run(spec: JobSpec, opts: RunOptions) -> dict:
     """Run the job in this process (one rank of it under torchrun)."""
     world = init_world()
-    trainer = Trainer(spec, opts, world)
     try:
-        return trainer.run()
+        trainer = Trainer(spec, opts, world)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        # Also when the trainer cannot be built: exit_process takes a group still there for one
+        # that a timed-out settle() left.
         close_world(world)  # bounded, also after a settle() that timed out

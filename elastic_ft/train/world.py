@@ -21,13 +21,15 @@ class RunAborted(RuntimeError):
     """Raised on every rank when one rank hit an error that all must stop for."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class World:
     rank: int
     size: int
     local_rank: int
     local_size: int
     device: torch.device
+    barrier_pending: bool = False
+    """A :func:`settle` barrier timed out and is still queued on the process group."""
 
     @property
     def distributed(self) -> bool:
@@ -92,31 +94,29 @@ def settle(world: World, timeout: timedelta) -> bool:
     """
     if not world.distributed:
         return True
-    global _barrier_pending
     try:
         dist.barrier(async_op=True).wait(timeout=timeout)
     except RuntimeError:  # gloo's "Operation timed out!", or a peer gone
-        _barrier_pending = True
+        world.barrier_pending = True
         return False
     return True
-
-
-_barrier_pending = False
-"""A :func:`settle` barrier timed out and is still queued on the process group (this process's only one)."""
 
 
 def close_world(world: World) -> None:
     """Leave the process group. After a :func:`settle` that timed out, its barrier is still queued and
     ``destroy_process_group`` would wait for it (until the peer exits, or the group's timeout): then
     the group is left to :func:`exit_process`."""
-    if world.distributed and not _barrier_pending:
+    if world.distributed and not world.barrier_pending:
         dist.destroy_process_group()
 
 
 def exit_process(code: int) -> NoReturn:
     """``sys.exit(code)``; after a :func:`settle` that timed out, ``os._exit(code)`` once logs and output
-    are flushed: the process group's teardown at interpreter exit would wait for the barrier still queued."""
-    if _barrier_pending:
+    are flushed: the process group's teardown at interpreter exit would wait for the barrier still queued.
+
+    A process group still there at this point is one that :func:`close_world` left for that reason
+    (callers close their world first), so no :class:`World` is needed here."""
+    if dist.is_available() and dist.is_initialized():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
