@@ -159,8 +159,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         :class:`WritersLostError` (from the store's writer check), and
         :meth:`next_rendezvous` starts a new round instead.
         """
-        info.store.set(f"{_MET_PREFIX}{info.rank}", b"1")
-        info.store.wait([f"{_MET_PREFIX}{rank}" for rank in range(info.world_size)])
+        keys = [f"{_MET_PREFIX}{rank}" for rank in range(info.world_size)]
+        info.store.set(keys[info.rank], b"1")
+        # The member whose key etcd stored last finds all N (each read follows its own
+        # write, and etcd reads are linearizable) and opens the barrier: the others wait
+        # for that one key, since N members each watching N keys cost etcd N*N events.
+        if info.store.check(keys):
+            info.store.set(_MET_ALL, b"1")
+        info.store.wait([_MET_ALL])
 
     def _get_store(self) -> Store:
         """See base class (a private hook: torch calls it once a round is complete); remember its members."""
@@ -271,6 +277,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
 # The keys of the meeting that ends each round (under the round's store prefix).
 _MET_PREFIX = "elastic_ft/met/"
+_MET_ALL = "elastic_ft/met-all"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
