@@ -31,7 +31,7 @@ import re
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from elastic_ft.spot.watcher import LEVEL_LEAVE
 
@@ -69,6 +69,22 @@ def marker_path(run_id: str, *, root: str | None = None) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
     directory = os.path.join(root or tempfile.gettempdir(), "elastic_ft-leave")
     return os.path.join(directory, f"{safe}.{os.getpid()}.{uuid.uuid4().hex[:12]}.json")
+
+
+_AGENT_PID = re.compile(r"\.(\d+)\.[0-9a-f]{12}\.json$")
+
+
+def marker_for_worker(environ: Mapping[str, str], parent_pid: int) -> str | None:
+    """The marker path a worker writes, from its environment; None when its parent is not that agent.
+
+    The variable is inherited by every descendant of the agent's process, also
+    by processes that are not its workers (a torchrun started from a process
+    that built a handler itself, as a test runner does): only a direct child of
+    the agent named in the path may make that agent leave.
+    """
+    path = environ.get(LEAVE_FILE_ENV)
+    m = _AGENT_PID.search(path or "")
+    return path if m is not None and int(m.group(1)) == parent_pid else None
 
 
 def write_marker(path: str, marker: LeaveMarker) -> None:

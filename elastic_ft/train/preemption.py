@@ -24,7 +24,7 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
-from elastic_ft.spot.leave import LEAVE_FILE_ENV, RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, write_marker
+from elastic_ft.spot.leave import RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, write_marker
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
 from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
 from elastic_ft.train.metrics import Metrics
@@ -182,7 +182,7 @@ class Preemption:
             except SaveFailed as exc:  # the same on every rank (see AsyncSaver): commit the step ourselves
                 log.warning("spot: the save in flight failed (%s); committing the current step synchronously", exc)
                 trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
-        marker = os.environ.get(LEAVE_FILE_ENV) if _node() in leaving else None
+        marker = marker_for_worker(os.environ, os.getppid()) if _node() in leaving else None
         if marker:  # only after the commit: the agent leaves for good on it
             write_marker(marker, LeaveMarker(kind=notice.kind, step=trainer.step))
         self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
