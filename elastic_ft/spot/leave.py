@@ -64,27 +64,34 @@ class LeaveMarker:
     """The step committed before the leave."""
 
 
+def _file_name_part(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
+
+
 def marker_path(run_id: str, *, root: str | None = None) -> str:
     """A fresh marker path for one agent of ``run_id`` (its pid and a nonce: unique on this host)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
     directory = os.path.join(root or tempfile.gettempdir(), "elastic_ft-leave")
-    return os.path.join(directory, f"{safe}.{os.getpid()}.{uuid.uuid4().hex[:12]}.json")
+    return os.path.join(directory, f"{_file_name_part(run_id)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.json")
 
 
-_AGENT_PID = re.compile(r"\.(\d+)\.[0-9a-f]{12}\.json$")
+_MARKER_NAME = re.compile(r"^(.*)\.(\d+)\.[0-9a-f]{12}\.json$")
 
 
 def marker_for_worker(environ: Mapping[str, str], parent_pid: int) -> str | None:
-    """The marker path a worker writes, from its environment; None when its parent is not that agent.
+    """The marker path a worker writes, from its environment; None unless it is a worker of that agent.
 
     The variable is inherited by every descendant of the agent's process, also
-    by processes that are not its workers (a torchrun started from a process
-    that built a handler itself, as a test runner does): only a direct child of
-    the agent named in the path may make that agent leave.
+    by processes that are not its workers (a process that built a handler
+    itself, as a test runner does, may start others): only a direct child of
+    the agent named in the path, started by torchrun for the same run id
+    (``TORCHELASTIC_RUN_ID``), may make that agent leave.
     """
     path = environ.get(LEAVE_FILE_ENV)
-    m = _AGENT_PID.search(path or "")
-    return path if m is not None and int(m.group(1)) == parent_pid else None
+    run_id = environ.get("TORCHELASTIC_RUN_ID")
+    m = _MARKER_NAME.match(os.path.basename(path or ""))
+    if m is None or run_id is None or m.group(1) != _file_name_part(run_id) or int(m.group(2)) != parent_pid:
+        return None
+    return path
 
 
 def write_marker(path: str, marker: LeaveMarker) -> None:

@@ -67,10 +67,14 @@ def test_each_agent_gets_its_own_path_so_an_old_marker_never_reaches_a_new_agent
     assert marker_path("r", root=str(tmp_path)) != marker_path("r", root=str(tmp_path))
 
 
-def test_only_a_child_of_the_agent_named_in_the_path_writes_the_marker(tmp_path):
-    path = marker_path("r", root=str(tmp_path))  # this process plays the agent
-    assert marker_for_worker({LEAVE_FILE_ENV: path}, os.getpid()) == path
-    # A torchrun started by a process that built a handler inherits the variable; its workers must not write.
-    assert marker_for_worker({LEAVE_FILE_ENV: path}, os.getpid() + 1) is None
-    assert marker_for_worker({}, os.getpid()) is None
-    assert marker_for_worker({LEAVE_FILE_ENV: "/tmp/something-else.json"}, os.getpid()) is None
+def test_only_a_torchrun_worker_of_the_agent_named_in_the_path_writes_the_marker(tmp_path):
+    path = marker_path("run.1", root=str(tmp_path))  # this process plays the agent
+    worker = {LEAVE_FILE_ENV: path, "TORCHELASTIC_RUN_ID": "run.1"}
+    assert marker_for_worker(worker, os.getpid()) == path
+    # A process that built a handler passes the variable on to all it starts: none of them may write
+    # unless it is that agent's torchrun worker of the same run.
+    assert marker_for_worker(worker, os.getpid() + 1) is None
+    assert marker_for_worker({LEAVE_FILE_ENV: path}, os.getpid()) is None
+    assert marker_for_worker(dict(worker, TORCHELASTIC_RUN_ID="run.2"), os.getpid()) is None
+    assert marker_for_worker({"TORCHELASTIC_RUN_ID": "run.1"}, os.getpid()) is None
+    assert marker_for_worker(dict(worker, **{LEAVE_FILE_ENV: "/tmp/x.json"}), os.getpid()) is None
