@@ -14,6 +14,7 @@ sample learned exactly once.
 
 from __future__ import annotations
 
+import datetime
 import shutil
 import signal
 import sys
@@ -29,7 +30,6 @@ from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.rendezvous.etcd_server import EtcdServer
 from tests.spot.imds_server import FakeImds
-from tests.spot.test_spot_preemption import in_two_minutes
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,6 +40,11 @@ WAIT_S = 240.0  # generous bounds: CI's 2 cores are loaded
 # A stale heartbeat only after 1000 s: nothing here may wait for one.
 CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=1000"
 LEAVE_ACTIONS = ("checkpoint_and_leave", "flush_and_leave")
+
+
+def in_two_minutes() -> str:
+    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @pytest.fixture(scope="module")
