@@ -81,12 +81,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
 
     etcd_client: Any = None
+    """The etcd client under the store and backend (set by :func:`create_handler`);
+    ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
 
     leave_file: str | None = None
     """The leave marker this agent's workers write when the node leaves on a spot notice
     (:mod:`elastic_ft.spot.leave`); set by :func:`create_handler`."""
-    """The etcd client under the store and backend (set by :func:`create_handler`);
-    ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
 
     # Private torch attributes used below, each for want of a public interface
     # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
@@ -246,6 +246,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         its heartbeat to go stale. Then the etcd connection is closed; it
         reopens by itself if the handler is used again, and closing frees the
         gRPC channel's threads in processes that build many handlers.
+
+        Raises:
+            NodeLeft: this node's workers left on a spot notice; the node left
+                the rendezvous (open) and the agent exits with its status.
         """
         close, reason = close_on_shutdown(sys.exc_info()[1])
         try:
@@ -367,4 +371,3 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.
     store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)
     return handler
-
