@@ -4,6 +4,29 @@ The component builds an AppDef whose role runs ``torchrun`` on every node;
 torchrun starts one ``elastic_ft.worker`` per process and restarts them on
 failure, and the rendezvous (c10d, or etcd3 for spot fleets) lets nodes join
 and leave between the min and max node counts.
+
+Exit status of a node (its torchrun), for a scheduler's retry rules:
+
+- 0: the job completed.
+- 75 (``EX_TEMPFAIL``, :data:`elastic_ft.spot.leave.RECLAIM_EXIT_CODE`): with
+  ``rdzv_backend=etcd3``, the node left on a spot notice (IMDS terminate, stop
+  or hibernate, or SIGTERM to torchrun, as a container stop sends) after the
+  job committed its state; the other nodes go on without it. Resubmit the
+  node: it joins the running job again (or, if all left, resumes it). On AWS
+  Batch, single-node (array) jobs on Spot with a retry strategy such as
+  ``{"attempts": 10, "evaluateOnExit": [{"onExitCode": "75", "action": "RETRY"},
+  {"onStatusReason": "Host EC2*", "action": "RETRY"}, {"onReason": "*",
+  "action": "EXIT"}]}`` resubmit a node that left on a notice (75) or whose
+  host was reclaimed before it could (the status reason then starts with
+  "Host EC2"), and fail on anything else. torchx's ``aws_batch`` scheduler
+  retries every nonzero exit up to ``max_restarts`` times.
+- 1: the workers failed more than ``max_restarts`` times, or the agent failed.
+- 2 is a worker's status for a user error (bad spec, URI, data); torchrun
+  reports it as a failure (1).
+
+Each node that stays restarts its workers once per leave (they exit with 75
+too, at the same step boundary), which counts against ``max_restarts``: give
+a spot job room for the leaves it expects.
 """
 
 
@@ -114,7 +137,7 @@ def train(
         rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
         rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
         rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options; the password only as password_env=VAR)
-        max_restarts: times torchrun restarts failed workers before giving up
+        max_restarts: times torchrun restarts failed workers before giving up (each spot leave costs the nodes that stay one)
         replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
         image: container image (local_cwd: ignored, the current directory is used)
         cpu: CPUs per node

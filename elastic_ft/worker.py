@@ -3,7 +3,10 @@
 Parse, build, run, close. Errors a user can fix (spec, URI, data, foreign
 checkpoint) end the process with one clear line and exit code 2; a run that
 committed its state and left on a spot notice exits with
-:data:`~elastic_ft.train.preemption.PREEMPTED_EXIT_CODE` (75).
+:data:`~elastic_ft.train.preemption.PREEMPTED_EXIT_CODE` (75), on every rank:
+on the node that leaves, after writing the leave marker that makes its etcd3
+agent leave the rendezvous and exit 75 as well (:mod:`elastic_ft.spot.leave`);
+elsewhere torchrun restarts the workers in the smaller world.
 """
 
 from __future__ import annotations

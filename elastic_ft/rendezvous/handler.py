@@ -49,6 +49,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     RendezvousTimeout,
 )
 
+from ..spot.leave import AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, clear_marker, honoured, read_marker  # noqa: E402
+from .departure import NodeLeft, hand_leave_file  # noqa: E402
 from .lifecycle import LeaveOp, close_on_shutdown, lost_members, on_closed, reopen  # noqa: E402
 from .store import WritersLostError  # noqa: E402
 
@@ -81,6 +83,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     etcd_client: Any = None
     """The etcd client under the store and backend (set by :func:`create_handler`);
     ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
+
+    leave_file: str | None = None
+    """The leave marker this agent's workers write when the node leaves on a spot notice
+    (:mod:`elastic_ft.spot.leave`); set by :func:`create_handler`."""
 
     # Private torch attributes used below, each for want of a public interface
     # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
@@ -132,7 +138,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         Raises (besides the base class' errors):
             RendezvousClosedError: the job that closed the rendezvous still had
                 live nodes when the join timeout passed (the message names them).
+            NodeLeft: this node's workers left on a spot notice (they wrote the
+                leave marker): the node left the rendezvous instead of joining.
         """
+        self._leave_if_told(AT_ROUND)
         deadline = time.monotonic() + self.settings.timeout.join.total_seconds()
         while True:
             try:
@@ -243,9 +252,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         its heartbeat to go stale. Then the etcd connection is closed; it
         reopens by itself if the handler is used again, and closing frees the
         gRPC channel's threads in processes that build many handlers.
+
+        Raises:
+            NodeLeft: this node's workers left on a spot notice; the node left
+                the rendezvous (open) and the agent exits with its status.
         """
         close, reason = close_on_shutdown(sys.exc_info()[1])
         try:
+            self._leave_if_told(AT_EXIT)  # raises NodeLeft (the agent's exit status) after leaving
             if close:
                 done = super().shutdown()  # stops the heartbeats, then closes
             else:
@@ -256,6 +270,35 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         finally:
             if self.etcd_client is not None:
                 self.etcd_client.close()
+
+    def _leave_if_told(self, where: str) -> None:
+        """Leave the rendezvous, without closing it, if this node's workers left on a spot notice.
+
+        Their marker is consumed either way; see :func:`~elastic_ft.spot.leave.honoured`
+        for a SIGTERM's, which before a new round means this agent stopped its
+        workers itself (a node joins) and the node stays.
+
+        Raises:
+            NodeLeft: the node left; the agent exits with :data:`RECLAIM_EXIT_CODE`.
+        """
+        marker = read_marker(self.leave_file) if self.leave_file else None
+        if marker is None:
+            return
+        clear_marker(self.leave_file)
+        if not honoured(marker, where):
+            log.info("Rendezvous %r: the workers answered this agent's own SIGTERM; the node stays.",
+                     self.settings.run_id)
+            return
+        self._stop_heartbeats()
+        left = self._leave()  # the others need not wait for this node's heartbeat to go stale
+        log.warning(
+            "Node %s leaves rendezvous %r on a %s notice, step %d committed; %s. Exit status %d: a spot "
+            "reclaim (resubmit the node to rejoin).",
+            self._this_node, self.settings.run_id, marker.kind, marker.step,
+            "the other nodes go on without it" if left else "the others drop it once its heartbeat is stale",
+            RECLAIM_EXIT_CODE,
+        )
+        raise NodeLeft()
 
     def _leave(self) -> bool:
         """Remove this node from the rendezvous; on failure its heartbeat expires instead."""
@@ -325,6 +368,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
     handler.etcd_client = client
+    hand_leave_file(handler, params.run_id)
     # torch builds its own state holder; ours (same state, same backend) also
     # rides out etcd outages. The op executor holds it too. Private attributes:
     # from_backend takes no holder, and the constructor that does needs torch's

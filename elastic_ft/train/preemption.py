@@ -14,6 +14,7 @@ worker turns into exit code :data:`PREEMPTED_EXIT_CODE`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
+from elastic_ft.spot.leave import RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, write_marker
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
 from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
 from elastic_ft.train.metrics import Metrics
@@ -31,17 +33,21 @@ from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
 
 log = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 75
-"""A worker's exit status after it committed its state and left on a notice.
+PREEMPTED_EXIT_CODE = RECLAIM_EXIT_CODE
+"""A worker's exit status after it committed its state and left on a notice (75).
 
 75 is ``EX_TEMPFAIL`` of sysexits.h ("temporary failure; the user is invited
 to retry"): the work is safe and running the same command again resumes at
 the next step. It is distinct from 0 (the run finished), 1 (a crash) and 2 (a
-user error, see :mod:`elastic_ft.worker`). torchrun treats any nonzero worker
-exit as a failure: with restarts left it restarts the workers (which resume
-from the committed step, and leave again at once while the node's notice
-stands), otherwise it exits 1 and names the worker's exit code 75 in its error
-report; a SIGTERMed agent exits on the signal after its workers have left.
+user error, see :mod:`elastic_ft.worker`). Every rank exits with it, also on
+the nodes that stay: their agents see failed workers and restart them in a
+smaller round at once (one of ``--max-restarts``), rather than waiting for a
+collective with the gone ranks to fail. On the node that leaves, the workers
+first write the leave marker (:mod:`elastic_ft.spot.leave`): with the etcd3
+rendezvous its agent then leaves the rendezvous instead of restarting them and
+exits with :data:`~elastic_ft.spot.leave.RECLAIM_EXIT_CODE` too. With another
+rendezvous torchrun treats the exit as a failure (restarts the workers, which
+leave again while the notice stands, then exits 1 naming exit code 75).
 """
 
 
@@ -99,6 +105,11 @@ def agree_every(step_s: float) -> int:
     return max(1, int(AGREE_WITHIN_S / step_s))
 
 
+def _node() -> str:
+    """This process's node: torchrun's ``GROUP_RANK`` (its agent's rank in the round; "0" without torchrun)."""
+    return os.environ.get("GROUP_RANK", "0")
+
+
 class Preemption:
     """One per worker: the watcher, the SIGTERM handler and the boundary check. :meth:`close` undoes them."""
 
@@ -153,7 +164,7 @@ class Preemption:
             self.sigterm.boundary(trainer.last_step_s)  # a boundary passed: no give-up while steps go on
         if level == LEVEL_NONE:
             return
-        notice, decision = self._decide(trainer)
+        notice, decision, leaving = self._decide(trainer)
         if decision.leaves and self.sigterm is not None:
             self.sigterm.answering()  # at a boundary, committing: the SIGTERM fallback must not cut in
         if decision.action == "early_checkpoint":
@@ -167,15 +178,17 @@ class Preemption:
         if decision.action == "early_checkpoint":
             trainer.save(f"spot: {decision.reason}")
         elif decision.leaves:
-            self._leave(trainer, notice, decision)
+            self._leave(trainer, notice, decision, leaving)
 
-    def _decide(self, trainer: Trainer) -> tuple[Notice, Decision]:
-        """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow.
+    def _decide(self, trainer: Trainer) -> tuple[Notice, Decision, frozenset[str]]:
+        """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow;
+        also the nodes (``GROUP_RANK``) that leave on it.
 
         The leader decides because only it knows which checkpoint committed
         last, and because each rank's view of the save in flight may differ.
         """
-        notices = [n for per_rank in gather_from_all(self.world, self.board.current()) for n in per_rank]
+        reports = gather_from_all(self.world, (_node(), self.board.current()))
+        notices = [n for _, per_rank in reports for n in per_rank]
         choice = None
         if self.world.is_leader:
             notice = most_urgent(notices)
@@ -186,10 +199,12 @@ class Preemption:
                 steps_since_commit=trainer.step - trainer.last_committed_step, in_flight_covers_step=covers,
                 step_s=trainer.last_step_s, rebalance_handled=notice.key in self._handled,
             )
-            choice = (notice, decide(situation, self.settings))
+            leaving = leaving_nodes((n, [x.level for x in per_rank]) for n, per_rank in reports)
+            choice = (notice, decide(situation, self.settings), leaving)
         return broadcast_from_leader(self.world, choice)
 
-    def _leave(self, trainer: Trainer, notice: Notice, decision: Decision) -> None:
+    def _leave(self, trainer: Trainer, notice: Notice, decision: Decision, leaving: frozenset[str]) -> None:
+        """Commit, write the leave marker where this rank's node leaves, raise :class:`Preempted`."""
         t0 = time.monotonic()
         trainer.metrics.flush()
         if decision.action == "checkpoint_and_leave":
@@ -200,8 +215,11 @@ class Preemption:
             except SaveFailed as exc:  # the same on every rank (see AsyncSaver): commit the step ourselves
                 log.warning("spot: the save in flight failed (%s); committing the current step synchronously", exc)
                 trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
+        marker = marker_for_worker(os.environ, os.getppid()) if _node() in leaving else None
+        if marker:  # only after the commit: the agent leaves for good on it
+            write_marker(marker, LeaveMarker(kind=notice.kind, step=trainer.step))
         self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
-                         seconds=round(time.monotonic() - t0, 3))
+                         leaving_nodes=sorted(leaving), seconds=round(time.monotonic() - t0, 3))
         raise Preempted(trainer.step, notice.kind)
 
     def close(self) -> None:

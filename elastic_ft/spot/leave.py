@@ -1,0 +1,149 @@
+"""A node's leave on a spot notice: the marker its workers write and its torchrun agent reads.
+
+torchrun counts any nonzero worker exit as a failure: it would restart the
+workers of a node that was told to go (they see the notice still standing and
+leave again, costing every node a new round each time), and exit 1 in the end.
+So a worker whose node leaves writes a **marker file** before it exits, and
+the etcd3 rendezvous handler (:mod:`elastic_ft.rendezvous.handler`) of the
+same agent reads it: it removes the node from the rendezvous (without closing
+it, so the other nodes form a smaller round at once) and ends the agent with
+:data:`RECLAIM_EXIT_CODE`.
+
+The marker's path is chosen by the agent when it builds its handler and handed
+to the workers in :data:`LEAVE_FILE_ENV`: it names the run id, the agent's pid
+and a fresh nonce, never a rank, so a marker left by an earlier agent (a node
+restarted with the same command, a crash before the agent read it) can never
+make a new agent leave.
+
+The marker says which notice it answers. A SIGTERM notice is ambiguous to a
+worker: its agent sends SIGTERM both when the node is stopped (container stop,
+Batch TerminateJob: the agent itself got SIGTERM) and when it only restarts its
+workers for a node that joins. So a ``sigterm`` marker makes the agent leave
+only where it is exiting anyway (:func:`honoured`), never at a new round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from elastic_ft.spot.watcher import LEVEL_LEAVE
+
+log = logging.getLogger(__name__)
+
+RECLAIM_EXIT_CODE = 75
+"""The exit status of a node that committed the job's state and left on a spot notice.
+
+75 is ``EX_TEMPFAIL`` of sysexits.h ("temporary failure; the user is invited to
+retry"): both the worker that left and, with the etcd3 rendezvous, its torchrun
+agent exit with it. A scheduler should resubmit the node, as after a reclaim
+(AWS Batch: ``evaluateOnExit`` ``{"onExitCode": "75", "action": "RETRY"}``);
+torchrun itself exits 1 on a failure and 0 when the job completed.
+"""
+
+LEAVE_FILE_ENV = "ELASTIC_FT_LEAVE_FILE"
+"""Set by the etcd3 handler in its agent's environment (inherited by the workers): the marker's path."""
+
+AT_ROUND = "round"
+"""Where the agent reads the marker: before joining a new round (its workers exited, it would restart them)."""
+AT_EXIT = "exit"
+"""Where the agent reads the marker: while it is exiting (no restarts left, or it got a signal)."""
+
+
+@dataclass(frozen=True)
+class LeaveMarker:
+    kind: str
+    """The notice the node leaves on: terminate, stop, hibernate or sigterm."""
+    step: int
+    """The step committed before the leave."""
+
+
+def _file_name_part(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
+
+
+def marker_path(run_id: str, *, root: str | None = None) -> str:
+    """A fresh marker path for one agent of ``run_id`` (its pid and a nonce: unique on this host)."""
+    directory = os.path.join(root or tempfile.gettempdir(), "elastic_ft-leave")
+    return os.path.join(directory, f"{_file_name_part(run_id)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.json")
+
+
+_MARKER_NAME = re.compile(r"^(.*)\.(\d+)\.[0-9a-f]{12}\.json$")
+
+
+def marker_for_worker(environ: Mapping[str, str], parent_pid: int) -> str | None:
+    """The marker path a worker writes, from its environment; None unless it is a worker of that agent.
+
+    The variable is inherited by every descendant of the agent's process, also
+    by processes that are not its workers (a process that built a handler
+    itself, as a test runner does, may start others): only a direct child of
+    the agent named in the path, started by torchrun for the same run id
+    (``TORCHELASTIC_RUN_ID``), may make that agent leave.
+    """
+    path = environ.get(LEAVE_FILE_ENV)
+    run_id = environ.get("TORCHELASTIC_RUN_ID")
+    m = _MARKER_NAME.match(os.path.basename(path or ""))
+    if m is None or run_id is None or m.group(1) != _file_name_part(run_id) or int(m.group(2)) != parent_pid:
+        return None
+    return path
+
+
+def write_marker(path: str, marker: LeaveMarker) -> None:
+    """Write the marker atomically (temp file + rename): the agent never reads half of it.
+
+    Several workers of one node may write it; each writes the same content.
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"kind": marker.kind, "step": marker.step}, f)
+    os.replace(tmp, path)
+
+
+def read_marker(path: str) -> LeaveMarker | None:
+    """The marker at ``path``, or None when there is none (or it cannot be read: then logged, and no leave)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("spot: ignoring the unreadable leave marker %s (%s)", path, exc)
+        return None
+
+
+def clear_marker(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def honoured(marker: LeaveMarker | None, where: str) -> bool:
+    """Whether the agent leaves on ``marker`` at ``where`` (:data:`AT_ROUND` or :data:`AT_EXIT`).
+
+    A notice from IMDS leaves wherever it is read. A SIGTERM leaves only at
+    exit: before a new round it means the agent stopped its workers itself
+    (a node joins), and the node stays.
+    """
+    if marker is None:
+        return False
+    return where == AT_EXIT or marker.kind != "sigterm"
+
+
+def leaving_nodes(reports: Iterable[tuple[str, Iterable[int]]]) -> frozenset[str]:
+    """The nodes that leave: those where any rank holds a notice of level ``leave``.
+
+    ``reports`` holds one ``(node, notice levels)`` per rank; ``node`` is the
+    rank's ``GROUP_RANK`` (its agent's rank in the round). A notice reaches
+    every process of a node (each polls IMDS; the agent forwards SIGTERM), but
+    not at the same instant: one rank's is enough.
+    """
+    return frozenset(node for node, levels in reports if any(level >= LEVEL_LEAVE for level in levels))
