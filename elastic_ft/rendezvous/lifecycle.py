@@ -147,13 +147,36 @@ def lost_members(
     if state.round != round_:
         return f"the rendezvous moved on from round {round_} to round {state.round}"
     alive = set(live_nodes(state, now, liveness))
-    gone = sorted(
-        m for m in members if m != node and (m not in state.participants or m not in alive)
-    )
-    if gone:
-        names = ", ".join(str(m) for m in gone)
-        return f"node(s) {names} of round {round_} left or stopped heartbeating"
+    why = []
+    for m in sorted(members):
+        if m == node:
+            continue
+        if m not in state.participants:
+            # torch's sanitizer removes an expired node from the participants
+            # (on whichever node read the state first), so this covers both.
+            why.append(f"{m} (left the round: it exited, or its keep-alive expired)")
+        elif m not in alive:
+            beat = state.last_heartbeats.get(m)
+            seen = "never" if beat is None else f"{(now - beat).total_seconds():.0f} s ago"
+            why.append(f"{m} (keep-alive expired: last heartbeat {seen})")
+    if why:
+        return f"node(s) {', '.join(why)} of round {round_} lost"
     return None
+
+
+def departed(previous: tuple[int, Collection[Any]] | None, members: Collection[Any]) -> str | None:
+    """Which nodes of the ``previous`` round (its number and members) are not among ``members``, or None.
+
+    For a loss the agent did not see itself (its workers failed first: the
+    lost node's connections closed), so the reason is what that implies.
+    """
+    if previous is None:
+        return None
+    gone = sorted(set(previous[1]) - set(members))
+    if not gone:
+        return None
+    names = ", ".join(str(m) for m in gone)
+    return f"node(s) {names} of round {previous[0]} lost (they exited or left; the workers' collectives failed)"
 
 
 class LeaveOp:

@@ -142,3 +142,10 @@ def test_right_after_an_outage_a_closed_rendezvous_with_stale_nodes_is_not_reope
     state.closed = True
     decision = on_closed(state, C, NOW, None)
     assert not decision.reopen and set(decision.waiting_for) == {A, B}
+
+
+def test_a_lost_member_reads_with_its_reason():
+    state = state_with(a=1, b=16)
+    assert "keep-alive expired: last heartbeat 16 s ago" in lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
+    del state.participants[B]
+    assert "left the round" in lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
