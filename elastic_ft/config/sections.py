@@ -156,6 +156,12 @@ class SpotConfig:
     """On a notice with a known deadline, keep training while another step and a commit still fit."""
     margin_s: float = 10.0
     """Seconds kept in hand before the deadline with train_until_deadline (0 to 3600)."""
+    collective_timeout_s: float = 300.0
+    """How long a collective (and the process group's start) waits for a peer before it fails (10 to 86400 s;
+    applies whether or not ``enabled``). A backstop: the etcd3 agents notice a lost or silent node by its
+    keep-alive within seconds and restart the workers; this bounds a wait the agents cannot see (torch's
+    default is 30 minutes). It must exceed the longest time one rank legitimately waits for another: a
+    synchronous checkpoint commit, or a slow model load."""
 
 
 @dataclasses.dataclass(kw_only=True)
