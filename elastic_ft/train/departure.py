@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Mapping
 
 LOST_NODES_ENV = "ELASTIC_FT_LOST_NODES"
@@ -41,3 +42,26 @@ def announce(events, *, step: int, world: int, local_rank: int,
     if local_rank == 0:
         log.warning("%s", line)
     return line
+
+
+# gloo reports a peer that closed or reset its connection, or a wait that timed
+# out, as a plain RuntimeError whose message starts with the gloo source file.
+_GLOO = re.compile(r"^\[[^\]]*/gloo/transport/[^\]]*\]\s*")
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """One line for a collective that failed because a peer is gone (or silent past the timeout); None
+    for anything else, whose traceback must show.
+
+    Known kinds only: torch's distributed errors (NCCL, the process group's
+    store) and gloo's transport errors (a plain RuntimeError naming gloo's
+    transport source). The source path and gloo's advice are cut.
+    """
+    import torch.distributed as dist
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return f"{type(exc).__name__}: {text}"
+    if type(exc) is RuntimeError and _GLOO.match(text):
+        return _GLOO.sub("", text).split(". This is typically")[0]
+    return None

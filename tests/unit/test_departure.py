@@ -8,7 +8,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from elastic_ft.events import EventLog
 from elastic_ft.rendezvous.lifecycle import departed
-from elastic_ft.train.departure import LOST_NODES_ENV, announce
+from elastic_ft.train.departure import LOST_NODES_ENV, announce, collective_failure
 
 A, B = _NodeDesc("host", 1, 0), _NodeDesc("host", 2, 0)
 
@@ -41,3 +41,25 @@ def test_announce_is_silent_without_a_loss_and_on_other_local_ranks(caplog):
         assert announce(events, step=1, world=2, local_rank=0, environ={}) is None
         assert announce(events, step=1, world=2, local_rank=1, environ={LOST_NODES_ENV: "x"}) is not None
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:11663: Connection reset by peer. This is typically caused by a remote worker hanging")
+
+
+def test_a_gloo_transport_error_is_one_line_without_gloos_path():
+    assert collective_failure(RuntimeError(GLOO_RESET)) == "Read error [127.0.0.1]:11663: Connection reset by peer"
+
+
+def test_torchs_distributed_errors_are_collective_failures():
+    import torch.distributed as dist
+
+    assert collective_failure(dist.DistBackendError("NCCL watchdog timeout\nmore")) == (
+        "DistBackendError: NCCL watchdog timeout")
+    assert collective_failure(dist.DistStoreError("wait timeout")) is not None
+
+
+def test_any_other_error_keeps_its_traceback():
+    assert collective_failure(RuntimeError("shape mismatch")) is None
+    assert collective_failure(ValueError(GLOO_RESET)) is None
+    assert collective_failure(KeyError("x")) is None
