@@ -80,6 +80,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
     _announced_loss: tuple[int, frozenset] | None = None  # the round whose lost member was logged
     _lost_since_round: str | None = None  # why the round this node last joined lost a member
+    _last_seen: dict  # the newest heartbeat read of each member of that round (set by _get_store)
 
     etcd_client: Any = None
     """The etcd client under the store and backend (set by :func:`create_handler`);
@@ -182,6 +183,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """See base class (a private hook: torch calls it once a round is complete); remember its members."""
         state = self._state_holder.state
         previous, self._joined = self._joined, (state.round, frozenset(state.participants))
+        self._last_seen = dict(state.last_heartbeats)
         # The workers torch starts next inherit this process' environment: they
         # say which node left in their resume line (elastic_ft.train.departure).
         lost = self._lost_since_round or departed(previous, self._joined[1])
@@ -217,14 +219,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return None
         return self._lost_reason()
 
-    def _lost_reason(self) -> str | None:
-        """Why this node's round lost a member, judged on the state last synced; None if it did not."""
+    def _lost_reason(self, last_seen: dict | None = None) -> str | None:
+        """Why this node's round lost a member, judged on the state last synced; None if it did not.
+
+        ``last_seen``: see :func:`~elastic_ft.rendezvous.lifecycle.lost_members`.
+        """
         joined = self._joined
         if joined is None:
             return None
         now = datetime.now(timezone.utc)
         return lost_members(
-            self._state_holder.state, joined[0], joined[1], self._this_node, now, self._liveness()
+            self._state_holder.state, joined[0], joined[1], self._this_node, now, self._liveness(),
+            last_seen,
         )
 
     def _count_lost(self) -> int:
@@ -233,7 +239,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         Judged on the state ``num_nodes_waiting`` just synced. Logged once per
         round, as the one line that says which node left and why.
         """
-        reason = self._lost_reason()
+        if self._joined is None:
+            return 0
+        beats = self._state_holder.state.last_heartbeats
+        for member in self._joined[1]:
+            if member in beats:
+                self._last_seen[member] = max(beats[member], self._last_seen.get(member, beats[member]))
+        reason = self._lost_reason(self._last_seen)
         if reason is None:
             return 0
         joined = self._joined
