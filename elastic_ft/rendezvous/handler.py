@@ -123,7 +123,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             # Both, so that every survivor logs its loss line even when another
             # survivor's rejoin (a waiting node) is what it sees first.
             waiting = super().num_nodes_waiting()
-            waiting = self._count_lost() or waiting
+            # Under the lock as torch reads the state: the keep-alive thread syncs and sanitizes it.
+            with self._heartbeat_lock:
+                waiting = self._count_lost() or waiting
         except RendezvousConnectionError as exc:
             if not isinstance(exc.__cause__, EtcdUnavailableError):
                 raise
