@@ -22,6 +22,7 @@ from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.names import name_problem
 from elastic_ft.spot.imds import EndpointError
 from elastic_ft.train.data import DataError
+from elastic_ft.train.departure import collective_failure
 from elastic_ft.train.scaling import BatchPlanError
 
 USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError, EndpointError)
@@ -70,6 +71,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     except Preempted as exc:
         print(f"elastic_ft: preempted: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    except Exception as exc:
+        lost = collective_failure(exc)
+        if lost is None:
+            raise  # a bug's traceback must show
+        # A peer is gone: the agent restarts the workers (its own line says which node and why).
+        print(f"elastic_ft: a collective failed, a peer is gone: {lost}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -57,4 +57,5 @@ LIMITS: dict[str, Bound] = {
     "spot.sigterm_grace_s": Bound(1.0, 3600.0),
     "spot.sigterm_boundary_s": Bound(1.0, 3600.0),
     "spot.margin_s": Bound(0.0, 3600.0),
+    "spot.collective_timeout_s": Bound(10.0, 86400.0),
 }

@@ -156,6 +156,14 @@ class SpotConfig:
     """On a notice with a known deadline, keep training while another step and a commit still fit."""
     margin_s: float = 10.0
     """Seconds kept in hand before the deadline with train_until_deadline (0 to 3600)."""
+    collective_timeout_s: float = 600.0
+    """How long a collective (and the process group's start) waits for a peer before it fails (10 to 86400 s;
+    applies whether or not ``enabled``). A backstop: the etcd3 agents notice a lost or silent node by its
+    keep-alive within seconds and restart the workers; this bounds a wait they cannot see, a worker hung on
+    a node whose agent is alive (torch's default for gloo is 30 minutes). It must exceed the longest time
+    one rank legitimately waits for another in the training process group: at a resume the others wait in
+    a broadcast while the leader downloads and verifies the checkpoint, so raise it for checkpoints of many
+    GB on slow storage. (Background saves have their own group, bounded by checkpoint.save_timeout_s.)"""
 
 
 @dataclasses.dataclass(kw_only=True)

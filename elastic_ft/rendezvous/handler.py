@@ -50,8 +50,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 
 from ..spot.leave import AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, clear_marker, honoured, read_marker  # noqa: E402
+from ..train.departure import LOST_NODES_ENV  # noqa: E402
 from .departure import NodeLeft, hand_leave_file  # noqa: E402
-from .lifecycle import LeaveOp, close_on_shutdown, lost_members, on_closed, reopen  # noqa: E402
+from .lifecycle import LeaveOp, close_on_shutdown, departed, lost_members, on_closed, reopen  # noqa: E402
 from .store import WritersLostError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _joined: tuple[int, frozenset] | None = None
 
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
+    _announced_loss: tuple[int, frozenset] | None = None  # the round whose lost member was logged
+    _lost_since_round: str | None = None  # why the round this node last joined lost a member
+    _last_seen: dict  # the newest heartbeat read of each member of that round (set by _get_store)
 
     etcd_client: Any = None
     """The etcd client under the store and backend (set by :func:`create_handler`);
@@ -102,17 +106,32 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return False
 
     def num_nodes_waiting(self) -> int:
-        """See base class; 0 (no change) while etcd does not answer.
+        """See base class, plus lost members; 0 (no change) while etcd does not answer.
 
         torch's agent calls this every monitor interval while the workers are
-        healthy and lets any error kill the agent and its workers; training
-        needs etcd only to change membership, so an outage is logged once and
-        the workers go on. Other errors (permissions, corrupt state) raise.
+        healthy and restarts them (a new round) when it is above 0. torch
+        counts only nodes waiting to join; a member of this node's round
+        whose keep-alive expired (or that left, or a round that moved on)
+        counts as 1 here too, so survivors whose collectives do not fail (a
+        silent peer: no TCP reset; workers still starting) restart within the
+        keep-alive expiry instead of after the collective timeout. The new
+        round leaves the dead node out: torch's state sanitizer drops nodes
+        whose heartbeat is older than the same expiry
+        (``keep_alive_interval * keep_alive_max_attempt``, see :meth:`_liveness`).
+
+        Training needs etcd only to change membership, so an outage is logged
+        once and the workers go on; torch would let the error kill the agent
+        and its workers. Other errors (permissions, corrupt state) raise.
         """
         from .etcd import EtcdUnavailableError
 
         try:
+            # Both, so that every survivor logs its loss line even when another
+            # survivor's rejoin (a waiting node) is what it sees first.
             waiting = super().num_nodes_waiting()
+            # Under the lock as torch reads the state: the keep-alive thread syncs and sanitizes it.
+            with self._heartbeat_lock:
+                waiting = self._count_lost() or waiting
         except RendezvousConnectionError as exc:
             if not isinstance(exc.__cause__, EtcdUnavailableError):
                 raise
@@ -180,7 +199,16 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _get_store(self) -> Store:
         """See base class (a private hook: torch calls it once a round is complete); remember its members."""
         state = self._state_holder.state
-        self._joined = (state.round, frozenset(state.participants))
+        previous, self._joined = self._joined, (state.round, frozenset(state.participants))
+        self._last_seen = dict(state.last_heartbeats)
+        # The workers torch starts next inherit this process' environment: they
+        # say which node left in their resume line (elastic_ft.train.departure).
+        lost = self._lost_since_round or departed(previous, self._joined[1])
+        if lost:
+            os.environ[LOST_NODES_ENV] = lost
+        else:
+            os.environ.pop(LOST_NODES_ENV, None)
+        self._lost_since_round = None
         return super()._get_store()
 
     def _liveness(self) -> timedelta | None:
@@ -196,20 +224,57 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         An etcd fault answers None (keep waiting): only a rendezvous that was
         read and shows a node gone may end a wait.
         """
-        joined = self._joined
-        if joined is None:
+        if self._joined is None:
             return None
         try:
             with self._heartbeat_lock:
                 self._state_holder.sync()
-                state = self._state_holder.state
         except RendezvousError as exc:
             log.warning(
                 "Could not read rendezvous %r to check its nodes: %s", self.settings.run_id, exc
             )
             return None
+        return self._lost_reason()
+
+    def _lost_reason(self, last_seen: dict | None = None) -> str | None:
+        """Why this node's round lost a member, judged on the state last synced; None if it did not.
+
+        ``last_seen``: see :func:`~elastic_ft.rendezvous.lifecycle.lost_members`.
+        """
+        joined = self._joined
+        if joined is None:
+            return None
         now = datetime.now(timezone.utc)
-        return lost_members(state, joined[0], joined[1], self._this_node, now, self._liveness())
+        return lost_members(
+            self._state_holder.state, joined[0], joined[1], self._this_node, now, self._liveness(),
+            last_seen,
+        )
+
+    def _count_lost(self) -> int:
+        """1 (a membership change, for torch's agent) once this node's round lost a member, else 0.
+
+        Judged on the state ``num_nodes_waiting`` just synced. Logged once per
+        round, as the one line that says which node left and why.
+        """
+        if self._joined is None:
+            return 0
+        beats = self._state_holder.state.last_heartbeats
+        for member in self._joined[1]:
+            if member in beats:
+                self._last_seen[member] = max(beats[member], self._last_seen.get(member, beats[member]))
+        reason = self._lost_reason(self._last_seen)
+        if reason is None:
+            return 0
+        joined = self._joined
+        if self._announced_loss != joined:
+            self._announced_loss = joined
+            self._lost_since_round = reason
+            log.warning(
+                "Rendezvous %r: %s; restarting this node's workers in a new round without them.",
+                self.settings.run_id,
+                reason,
+            )
+        return 1
 
     def _reopen_closed(self, deadline: float) -> None:
         """The join found the rendezvous closed: reopen it for this submission,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Collection
+from typing import Any, Collection, Mapping
 
 # Private torch names: the rendezvous state and the op protocol (a context in,
 # an action out) that LeaveOp implements have no public counterparts in torch 2.13.
@@ -134,8 +134,15 @@ def lost_members(
     node: Any,
     now: datetime,
     liveness: timedelta | None,
+    last_seen: Mapping[Any, datetime] | None = None,
 ) -> str | None:
     """Why the nodes of round ``round_`` can no longer all meet, or ``None``.
+
+    ``last_seen`` (each member's newest heartbeat the asker ever read) makes a
+    member missing from the participants count only once that heartbeat is
+    older than ``liveness``: a member that is restarting also leaves the
+    participants (with its heartbeat) before it rejoins, where a dead one's
+    last heartbeat only ages. Without it, a missing member is lost at once.
 
     ``members`` are the round's participants when it completed. A member that
     left the participants (it shut down, or torch dropped it for a stale
@@ -147,13 +154,44 @@ def lost_members(
     if state.round != round_:
         return f"the rendezvous moved on from round {round_} to round {state.round}"
     alive = set(live_nodes(state, now, liveness))
-    gone = sorted(
-        m for m in members if m != node and (m not in state.participants or m not in alive)
-    )
-    if gone:
-        names = ", ".join(str(m) for m in gone)
-        return f"node(s) {names} of round {round_} left or stopped heartbeating"
+    why = []
+    for m in sorted(members):
+        if m == node:
+            continue
+        if m not in state.participants:
+            if last_seen is not None and (
+                liveness is None or m in state.wait_list or last_seen.get(m, now) >= now - liveness
+            ):
+                continue  # restarting: it rejoins, or it heartbeat recently
+            if last_seen is not None and m in last_seen:
+                age = (now - last_seen[m]).total_seconds()
+                why.append(f"{m} (keep-alive expired: no heartbeat for {age:.0f} s)")
+            else:
+                # torch's sanitizer removes an expired node from the participants
+                # (on whichever node read the state first), so this covers both.
+                why.append(f"{m} (left the round: it exited, or its keep-alive expired)")
+        elif m not in alive:
+            beat = state.last_heartbeats.get(m)
+            seen = "never" if beat is None else f"{(now - beat).total_seconds():.0f} s ago"
+            why.append(f"{m} (keep-alive expired: last heartbeat {seen})")
+    if why:
+        return f"node(s) {', '.join(why)} of round {round_} lost"
     return None
+
+
+def departed(previous: tuple[int, Collection[Any]] | None, members: Collection[Any]) -> str | None:
+    """Which nodes of the ``previous`` round (its number and members) are not among ``members``, or None.
+
+    For a loss the agent did not see itself (its workers failed first: the
+    lost node's connections closed), so the reason is what that implies.
+    """
+    if previous is None:
+        return None
+    gone = sorted(set(previous[1]) - set(members))
+    if not gone:
+        return None
+    names = ", ".join(str(m) for m in gone)
+    return f"node(s) {names} of round {previous[0]} lost (they exited or left; the workers' collectives failed)"
 
 
 class LeaveOp:

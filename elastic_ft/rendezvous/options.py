@@ -33,6 +33,11 @@ _MAX_NUMBER = 10_000_000
 
 DEFAULT_PORT = 2379
 
+# The defaults for fast recovery (see EtcdRendezvousOptions).
+DEFAULT_KEEP_ALIVE_INTERVAL = 2
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 3
+DEFAULT_LAST_CALL_S = 3
+
 # Options that torch's dynamic rendezvous reads itself (see
 # torch.distributed.elastic.rendezvous.dynamic_rendezvous.create_handler); we
 # validate them too so that every mistake is reported at once.
@@ -53,12 +58,23 @@ class EtcdRendezvousOptions:
     key_prefix: str = "/elastic_ft/rendezvous"
     """Every key of a run lives under ``<key_prefix>/<run_id>/``."""
 
+    # Defaults chosen for fast recovery on spot fleets (torch's in brackets).
+    # Survivors restart when a member's keep-alive is older than
+    # keep_alive_interval * keep_alive_max_attempt (6 s [15 s]); then the new
+    # round completes last_call_timeout after enough nodes rejoined (3 s [30 s]:
+    # the survivors of one job rejoin within about a second of each other, and
+    # a node later than that joins the running job as any new node does).
+    # A heartbeat every 2 s is one compare-and-set of the state key per node,
+    # cheap for etcd; three missed in a row still ride out a loaded host.
+    # join_timeout keeps torch's 600 s: how long a lone node waits for
+    # min_nodes, where spot capacity may take minutes to come back.
     join_timeout: timedelta | None = None
-    last_call_timeout: timedelta | None = None
+    """None: torch's default (600 s)."""
+    last_call_timeout: timedelta | None = timedelta(seconds=DEFAULT_LAST_CALL_S)
     close_timeout: timedelta | None = None
     heartbeat_timeout: timedelta | None = None
-    keep_alive_interval: int = 5
-    keep_alive_max_attempt: int = 3
+    keep_alive_interval: int = DEFAULT_KEEP_ALIVE_INTERVAL
+    keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
 
     def run_prefix(self, run_id: str) -> str:
         """The key prefix of one run: its state key and its store live under it."""
@@ -166,9 +182,9 @@ class _Conf:
             return default
         return value
 
-    def timeout(self, key: str) -> timedelta | None:
-        """Whole seconds as a timedelta; absent (or bad): None, torch's default."""
-        value = self.number(key, int, None)
+    def timeout(self, key: str, default_s: int | None = None) -> timedelta | None:
+        """Whole seconds as a timedelta; absent (or bad): ``default_s``, or None (torch's default)."""
+        value = self.number(key, int, default_s)
         return None if value is None else timedelta(seconds=value)
 
     def path(self, key: str) -> str | None:
@@ -270,11 +286,11 @@ def _torch_settings(c: _Conf) -> dict[str, Any]:
     """The options torch's dynamic rendezvous reads: its timeouts and keep-alive."""
     return dict(
         join_timeout=c.timeout("join_timeout"),
-        last_call_timeout=c.timeout("last_call_timeout"),
+        last_call_timeout=c.timeout("last_call_timeout", DEFAULT_LAST_CALL_S),
         close_timeout=c.timeout("close_timeout"),
         heartbeat_timeout=c.timeout("heartbeat_timeout"),
-        keep_alive_interval=c.number("keep_alive_interval", int, 5),
-        keep_alive_max_attempt=c.number("keep_alive_max_attempt", int, 3),
+        keep_alive_interval=c.number("keep_alive_interval", int, DEFAULT_KEEP_ALIVE_INTERVAL),
+        keep_alive_max_attempt=c.number("keep_alive_max_attempt", int, DEFAULT_KEEP_ALIVE_MAX_ATTEMPT),
     )
 
 

@@ -36,6 +36,7 @@ from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, 
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import endpoint_from_env
+from elastic_ft.train import departure
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
@@ -313,6 +314,7 @@ class Trainer:
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
         )
         self.resume()
+        departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start(self.step)
         try:
             while self.step < self.total_steps:
@@ -366,7 +368,7 @@ class Trainer:
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:
     """Run the job in this process (one rank of it under torchrun)."""
-    world = init_world()
+    world = init_world(datetime.timedelta(seconds=spec.spot.collective_timeout_s))
     try:
         trainer = Trainer(spec, opts, world)
         try:

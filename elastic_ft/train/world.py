@@ -40,8 +40,13 @@ class World:
         return self.rank == 0
 
 
-def init_world() -> World:
-    """Join the process group when launched by torchrun; a single process otherwise."""
+def init_world(collective_timeout: timedelta | None = None) -> World:
+    """Join the process group when launched by torchrun; a single process otherwise.
+
+    ``collective_timeout`` bounds the group's start (waiting for every rank's
+    store keys) and each collective; None is torch's default (30 minutes for
+    gloo, 10 for NCCL). A peer gone silent then fails the wait in bounded time.
+    """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -54,7 +59,7 @@ def init_world() -> World:
         # Several ranks share this host's cores: oversubscribed threads make every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout)
     return World(rank, size, local_rank, local_size, device)
 
 

@@ -86,6 +86,15 @@ class Agent:
         psutil.wait_procs(procs, timeout=30)
         self.process.wait(timeout=30)
 
+    def stop_tree(self) -> None:
+        """SIGSTOP the agent and every descendant: a silent node (no exit, no TCP reset, no heartbeat).
+
+        ``kill_tree`` ends a stopped tree too (SIGKILL needs no SIGCONT).
+        """
+        root = psutil.Process(self.pid)
+        for p in [root] + root.children(recursive=True):
+            p.send_signal(signal.SIGSTOP)
+
     def descendants(self) -> list[int]:
         try:
             return [p.pid for p in psutil.Process(self.pid).children(recursive=True)]

@@ -50,10 +50,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.2)
     parser.add_argument("--fail-once-at", type=int, default=0)
+    parser.add_argument("--pg-timeout", type=float, default=60.0,
+                        help="seconds the process group's start and each collective wait for a peer")
     args = parser.parse_args()
     out = Path(args.out)
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     append_line(
         out / "workers.jsonl",

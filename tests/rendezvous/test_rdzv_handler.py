@@ -37,6 +37,10 @@ def test_options_defaults_and_endpoints():
     assert options.key_prefix == "/elastic_ft/rendezvous"
     assert options.connection.lease_ttl == 7200
     assert options.run_prefix("r") == "/elastic_ft/rendezvous/r/"
+    # Fast recovery out of the box: a lost member counts after 6 s, a round completes 3 s after enough nodes.
+    assert (options.keep_alive_interval, options.keep_alive_max_attempt) == (2, 3)
+    assert options.last_call_timeout == timedelta(seconds=3)
+    assert options.join_timeout is None  # torch's 600 s
 
 
 def test_options_validation_names_every_bad_option(tmp_path):

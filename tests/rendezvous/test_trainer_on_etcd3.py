@@ -73,6 +73,14 @@ def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, t
     resumed = [e for e in log if e["event"] == "resume_plan"][-1]
     assert resumed["step"] > 0, "the survivor did not resume from a checkpoint"
     assert log[-1]["event"] == "end" and log[-1]["step"] == STEPS
+    # The loss reads as one event and one line naming the lost node (torch names a node
+    # host_<agent pid>_<n>), with where the job resumes; the survivor's workers print no traceback.
+    lost = [e for e in log if e["event"] == "node_lost"]
+    assert len(lost) == 1 and f"_{victim.pid}_" in lost[0]["reason"], lost
+    assert (lost[0]["resume_after_step"], lost[0]["world"]) == (resumed["step"], expected_world)
+    survivor_log = survivor.tail(10**7)
+    assert "the job resumes after step" in survivor_log
+    assert "Traceback" not in survivor_log, survivor_log[-5000:]
     history = replay(log)
     assert check_exactly_once(history, 1024) == []
     consumed = [p for step in sorted(history) for p in history[step]]

@@ -142,3 +142,22 @@ def test_right_after_an_outage_a_closed_rendezvous_with_stale_nodes_is_not_reope
     state.closed = True
     decision = on_closed(state, C, NOW, None)
     assert not decision.reopen and set(decision.waiting_for) == {A, B}
+
+
+def test_a_lost_member_reads_with_its_reason():
+    state = state_with(a=1, b=16)
+    assert "keep-alive expired: last heartbeat 16 s ago" in lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
+    del state.participants[B]
+    assert "left the round" in lost_members(state, 4, {A, B}, C, NOW, LIVENESS)
+
+
+def test_with_last_seen_a_member_restarting_is_not_lost_and_a_dead_one_is():
+    state = state_with(a=1)  # b left the participants (and its heartbeat with it)
+    recent = {A: NOW, B: NOW - timedelta(seconds=2)}
+    assert lost_members(state, 4, {A, B}, C, NOW, LIVENESS, recent) is None
+    state.wait_list.add(B)  # rejoining, however long ago its last heartbeat
+    assert lost_members(state, 4, {A, B}, C, NOW, LIVENESS, {B: NOW - timedelta(seconds=60)}) is None
+    state.wait_list.clear()
+    old = {B: NOW - timedelta(seconds=16)}
+    assert "keep-alive expired: no heartbeat for 16 s" in lost_members(state, 4, {A, B}, C, NOW, LIVENESS, old)
+    assert lost_members(state, 4, {A, B}, C, NOW, None, old) is None  # right after an outage: not judged
