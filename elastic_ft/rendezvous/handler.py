@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 
@@ -52,7 +52,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 from ..spot.leave import AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, clear_marker, honoured, read_marker  # noqa: E402
 from ..train.departure import LOST_NODES_ENV  # noqa: E402
 from .departure import NodeLeft, hand_leave_file  # noqa: E402
-from .lifecycle import LeaveOp, close_on_shutdown, departed, lost_members, on_closed, reopen  # noqa: E402
+from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen  # noqa: E402
+from .liveness import LossDetection  # noqa: E402
 from .store import WritersLostError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
+class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
     """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore.
 
     Unlike c10d's TCPStore, the state in etcd outlives the job, so the handler
@@ -75,14 +76,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     rather than left waiting on its keys.
     """
 
-    # The round this node last joined and its participants then: the nodes
-    # whose store keys the agent waits for (see _lost_writers).
-    _joined: tuple[int, frozenset] | None = None
-
     _etcd_away = False  # whether num_nodes_waiting() last found etcd unreachable
-    _announced_loss: tuple[int, frozenset] | None = None  # the round whose lost member was logged
-    _lost_since_round: str | None = None  # why the round this node last joined lost a member
-    _last_seen: dict  # the newest heartbeat read of each member of that round (set by _get_store)
 
     etcd_client: Any = None
     """The etcd client under the store and backend (set by :func:`create_handler`);
@@ -210,71 +204,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             os.environ.pop(LOST_NODES_ENV, None)
         self._lost_since_round = None
         return super()._get_store()
-
-    def _liveness(self) -> timedelta | None:
-        """How old a heartbeat may be for its node to count as alive; None (any
-        age) right after an etcd outage, which held every heartbeat up."""
-        if not self._state_holder.heartbeats_count():
-            return None
-        return self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt
-
-    def _lost_writers(self) -> str | None:
-        """The store's writer check: why this round's nodes cannot all meet, or None.
-
-        An etcd fault answers None (keep waiting): only a rendezvous that was
-        read and shows a node gone may end a wait.
-        """
-        if self._joined is None:
-            return None
-        try:
-            with self._heartbeat_lock:
-                self._state_holder.sync()
-        except RendezvousError as exc:
-            log.warning(
-                "Could not read rendezvous %r to check its nodes: %s", self.settings.run_id, exc
-            )
-            return None
-        return self._lost_reason()
-
-    def _lost_reason(self, last_seen: dict | None = None) -> str | None:
-        """Why this node's round lost a member, judged on the state last synced; None if it did not.
-
-        ``last_seen``: see :func:`~elastic_ft.rendezvous.lifecycle.lost_members`.
-        """
-        joined = self._joined
-        if joined is None:
-            return None
-        now = datetime.now(timezone.utc)
-        return lost_members(
-            self._state_holder.state, joined[0], joined[1], self._this_node, now, self._liveness(),
-            last_seen,
-        )
-
-    def _count_lost(self) -> int:
-        """1 (a membership change, for torch's agent) once this node's round lost a member, else 0.
-
-        Judged on the state ``num_nodes_waiting`` just synced. Logged once per
-        round, as the one line that says which node left and why.
-        """
-        if self._joined is None:
-            return 0
-        beats = self._state_holder.state.last_heartbeats
-        for member in self._joined[1]:
-            if member in beats:
-                self._last_seen[member] = max(beats[member], self._last_seen.get(member, beats[member]))
-        reason = self._lost_reason(self._last_seen)
-        if reason is None:
-            return 0
-        joined = self._joined
-        if self._announced_loss != joined:
-            self._announced_loss = joined
-            self._lost_since_round = reason
-            log.warning(
-                "Rendezvous %r: %s; restarting this node's workers in a new round without them.",
-                self.settings.run_id,
-                reason,
-            )
-        return 1
 
     def _reopen_closed(self, deadline: float) -> None:
         """The join found the rendezvous closed: reopen it for this submission,
