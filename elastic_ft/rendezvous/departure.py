@@ -11,12 +11,18 @@ import atexit
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..spot.leave import AT_EXIT, LEAVE_FILE_ENV, RECLAIM_EXIT_CODE, clear_marker, marker_path
 
-if TYPE_CHECKING:
-    from .handler import EtcdRendezvousHandler
+
+class _Leaving(Protocol):
+    """What this module needs of :class:`~elastic_ft.rendezvous.handler.EtcdRendezvousHandler`
+    (named here, not imported: the handler imports this module)."""
+
+    leave_file: str | None
+
+    def _leave_if_told(self, where: str) -> None: ...
 
 
 class NodeLeft(SystemExit):
@@ -34,7 +40,7 @@ class NodeLeft(SystemExit):
         super().__init__(RECLAIM_EXIT_CODE)
 
 
-def hand_leave_file(handler: EtcdRendezvousHandler, run_id: str) -> None:
+def hand_leave_file(handler: _Leaving, run_id: str) -> None:
     """Give the agent a fresh leave marker path, tell its workers (environment), and read it at exit.
 
     At exit: a torchrun agent stopped by a signal (a container stop) never calls
@@ -48,7 +54,7 @@ def hand_leave_file(handler: EtcdRendezvousHandler, run_id: str) -> None:
     atexit.register(_leave_at_exit, handler)
 
 
-def _leave_at_exit(handler: EtcdRendezvousHandler) -> None:
+def _leave_at_exit(handler: _Leaving) -> None:
     try:
         handler._leave_if_told(AT_EXIT)  # our method (not torch's)
     except NodeLeft as exc:
