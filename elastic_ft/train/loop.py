@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from elastic_ft import faults
+from elastic_ft import faults, goodput
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
 from elastic_ft.checkpoint.manifest import Manifest
@@ -310,7 +310,7 @@ class Trainer:
             "start", world=w.size, pid=os.getpid(), host=socket.gethostname(), total_steps=self.total_steps,
             dataset_size=len(self.data),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
-            config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
+            config_hash=self._config_hash, batch_plan=self.plan.to_dict(), **goodput.start_fields(),
         )
         self.resume()
         self.metrics.start(self.step)
@@ -354,6 +354,8 @@ class Trainer:
         t0 = time.monotonic()
         result = self.train_step()
         result.seconds = self.last_step_s = time.monotonic() - t0
+        if self.world.is_leader:  # every step, reported or not yet: goodput needs the steps a kill cuts off too
+            self.events.emit("step_done", quiet=True, step=result.step, seconds=round(result.seconds, 4))
         self.metrics.add(result)
         return result
 
