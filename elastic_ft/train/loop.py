@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_ft import faults, goodput
+from elastic_ft.checkpoint.cache import CachedStore
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
 from elastic_ft.checkpoint.manifest import Manifest
@@ -71,6 +72,8 @@ class Trainer:
             os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
         )
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
+        if spec.checkpoint.local_cache_dir is not None:
+            self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
         self.tokenizer, self.model = model_mod.build(spec)
         self.model.to(world.device)
         self.data = data_mod.load(spec.data, self.tokenizer)
