@@ -5,6 +5,7 @@
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
+  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, or the run's)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 """
@@ -85,6 +86,21 @@ def _gc(args) -> int:
     if not args.dry_run:
         apply_gc(store, plan)
         print(f"deleted {len(plan.manifests)} manifest(s) and {len(plan.blobs)} blob(s)")
+    return 0
+
+
+def _goodput(args) -> int:
+    from elastic_ft.events import read_events
+    from elastic_ft.goodput import attribute, find_events
+
+    try:
+        path = find_events(args.run)
+    except FileNotFoundError as exc:
+        raise ArgumentError(f"goodput: {exc}") from None
+    result = attribute(read_events(path))
+    if not result.attempts:
+        raise ArgumentError(f"goodput: {path} has no start event: not a training run's events")
+    print(f"{path}\n{result.table()}")
     return 0
 
 
@@ -198,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--step", type=int, default=None)
     e.set_defaults(func=_export)
+    gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
+    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir) or the run directory")
+    gp.set_defaults(func=_goodput)
     return p
 
 

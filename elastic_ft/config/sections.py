@@ -121,6 +121,10 @@ class CheckpointConfig:
     """This many failed saves in a row stop the run with an error naming the last cause (1 to 100)."""
     save_timeout_s: float = 1800.0
     """Longest wait for one save (upload and commit, every rank's part) before the run stops (1 to 86400 s)."""
+    local_cache_dir: str | None = None
+    """A node-local directory keeping the blobs of the last checkpoints this node wrote or loaded (per run
+    id); a restarted worker reads a blob from it when its size and digest match the manifest, and from the
+    store otherwise. Null: off (every load reads the store)."""
     s3: S3Options = dataclasses.field(default_factory=S3Options)
     """Settings of an ``s3://`` checkpoint URI's store (SSE, KMS key, part sizes, concurrency, retries,
     timeouts, endpoint, region); unused for ``file://``. Null fields fall back to the environment

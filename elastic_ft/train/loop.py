@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from elastic_ft import faults
+from elastic_ft import faults, goodput
+from elastic_ft.checkpoint.cache import CachedStore
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
 from elastic_ft.checkpoint.manifest import Manifest
@@ -72,6 +73,8 @@ class Trainer:
             os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
         )
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
+        if spec.checkpoint.local_cache_dir is not None:
+            self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
         self.tokenizer, self.model = model_mod.build(spec)
         self.model.to(world.device)
         self.data = data_mod.load(spec.data, self.tokenizer)
@@ -311,7 +314,7 @@ class Trainer:
             "start", world=w.size, pid=os.getpid(), host=socket.gethostname(), total_steps=self.total_steps,
             dataset_size=len(self.data),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
-            config_hash=self._config_hash, batch_plan=self.plan.to_dict(),
+            config_hash=self._config_hash, batch_plan=self.plan.to_dict(), **goodput.start_fields(),
         )
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
@@ -356,6 +359,8 @@ class Trainer:
         t0 = time.monotonic()
         result = self.train_step()
         result.seconds = self.last_step_s = time.monotonic() - t0
+        if self.world.is_leader:  # every step, reported or not yet: goodput needs the steps a kill cuts off too
+            self.events.emit("step_done", quiet=True, step=result.step, seconds=round(result.seconds, 4))
         self.metrics.add(result)
         return result
 

@@ -114,6 +114,8 @@ def plan_resume(manifest: Manifest | None, skipped: list[Skipped], *, plan: Batc
         return ResumePlan(0, 0, None, skipped, None, False, False, why)
     changed = manifest.config_hash != config_hash
     rescale = rescale_event(manifest.batch_plan or None, plan)
+    if rescale is not None:
+        rescale = {"step": manifest.step, **rescale}  # the step training continues from at the new plan
     finished = manifest.step >= total_steps
     why = f"resuming from step {manifest.step} (cursor {manifest.cursor}) saved at world {manifest.world.get('size')}"
     if skipped:

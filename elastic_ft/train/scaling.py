@@ -36,6 +36,8 @@ class BatchPlan:
     """Peak LR for this world."""
     policy: str
     reason: str
+    lr_factor: float = 1.0
+    """The multiplier the policy applied to the spec's LR for this world (1.0 under ``constant_global``)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -58,14 +60,13 @@ def plan_batch(batch: BatchConfig, lr: float, world: int) -> BatchPlan:
                 f"every rank needs at least one sample per step; raise batch.global_batch to at least {world} "
                 f"or run with fewer processes"
             )
-        global_batch, peak = batch.global_batch, lr
+        global_batch, factor = batch.global_batch, 1.0
         reason = f"constant_global: {global_batch} samples per step over {world} rank(s), lr unchanged"
     elif batch.policy == "scale_with_world":
         per_rank = batch.global_batch // batch.reference_world
         global_batch = per_rank * world
         ratio = world / batch.reference_world
         factor = ratio if batch.lr_scaling == "linear" else math.sqrt(ratio)
-        peak = lr * factor
         reason = (
             f"scale_with_world: {per_rank} samples per rank x {world} rank(s); "
             f"lr x{factor:.4g} ({batch.lr_scaling} rule, reference world {batch.reference_world})"
@@ -74,11 +75,22 @@ def plan_batch(batch: BatchConfig, lr: float, world: int) -> BatchPlan:
         raise BatchPlanError(f"batch.policy {batch.policy!r} is not supported")
     per = split_evenly(global_batch, world)
     micro = tuple(math.ceil(n / batch.micro_batch) for n in per)
-    return BatchPlan(world, global_batch, per, batch.micro_batch, micro, peak, batch.policy, reason)
+    return BatchPlan(world, global_batch, per, batch.micro_batch, micro, lr * factor, batch.policy, reason, factor)
+
+
+_PLAN_FIELDS = ("world", "global_batch", "per_rank", "micro_batch", "micro_steps", "lr", "lr_factor", "policy")
+"""What a ``rescale`` event states of each side (old: the plan the checkpoint was trained with)."""
 
 
 def rescale_event(old: dict | None, new: BatchPlan) -> dict | None:
-    """The ``rescale`` event fields when the plan changed since ``old`` (a saved plan), else None."""
+    """The ``rescale`` event fields when the plan changed since ``old`` (a saved plan), else None.
+
+    The event states both plans in full (``old``, ``new``: world, global
+    batch, per-rank samples, micro-batch, accumulation steps, peak LR and the
+    policy's LR multiplier) and which of them ``changed``. A plan saved before
+    ``lr_factor`` was recorded reports it as None. Only a change of world,
+    batch or LR counts; the multiplier alone follows from those.
+    """
     if old is None:
         return None
     keys = ("world", "global_batch", "per_rank", "micro_steps", "lr")
@@ -87,7 +99,9 @@ def rescale_event(old: dict | None, new: BatchPlan) -> dict | None:
                if _norm(old.get(k)) != _norm(new_d[k])}
     if not changed:
         return None
-    return {"policy": new.policy, "reason": new.reason, "changed": changed}
+    return {"policy": new.policy, "reason": new.reason,
+            "old": {k: old.get(k) for k in _PLAN_FIELDS}, "new": {k: new_d[k] for k in _PLAN_FIELDS},
+            "changed": changed}
 
 
 def _norm(v):

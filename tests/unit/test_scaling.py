@@ -145,6 +145,27 @@ def test_rescale_event_scale_with_world_lr_change():
     assert ev["policy"] == "scale_with_world"
 
 
+@pytest.mark.parametrize(("rule", "factor"), [("linear", 0.5), ("sqrt", math.sqrt(0.5))])
+def test_rescale_event_states_both_plans_in_full(rule, factor):
+    cfg = BatchConfig(global_batch=8, micro_batch=2, policy="scale_with_world", lr_scaling=rule, reference_world=2)
+    ev = rescale_event(_saved(plan_batch(cfg, 1e-3, 2)), plan_batch(cfg, 1e-3, 1))
+    assert ev["old"]["world"] == 2 and ev["new"]["world"] == 1
+    assert (ev["old"]["global_batch"], ev["new"]["global_batch"]) == (8, 4)
+    assert (ev["old"]["micro_batch"], list(ev["new"]["micro_steps"])) == (2, [2])
+    assert ev["old"]["lr_factor"] == pytest.approx(1.0)
+    assert ev["new"]["lr_factor"] == pytest.approx(factor)
+    assert ev["new"]["lr"] == pytest.approx(1e-3 * factor)
+    assert ev["old"]["policy"] == ev["new"]["policy"] == "scale_with_world"
+
+
+def test_rescale_event_from_a_plan_saved_without_lr_factor():
+    cfg = BatchConfig(global_batch=32, micro_batch=8)
+    old = _saved(plan_batch(cfg, 1e-3, 2))
+    del old["lr_factor"]  # manifests written before the field existed
+    ev = rescale_event(old, plan_batch(cfg, 1e-3, 4))
+    assert ev["old"]["lr_factor"] is None and ev["new"]["lr_factor"] == 1.0
+
+
 # --------------------------------------------------------------------------- lr_at / total_steps
 
 

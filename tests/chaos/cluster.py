@@ -1,0 +1,151 @@
+"""A chaos cluster: heterogeneous trainer nodes (torchrun agents on etcd3) that a driver kills, stops and restarts.
+
+Shared by tests/chaos/ and scripts/chaos.sh. A node is one torchrun agent
+running the real trainer; every node of a cluster uses the same command, so a
+node started again is the same node coming back. The run's leader writes the
+events every check reads (``events.jsonl``: ``start``, ``step_done``,
+``resume_plan``, ``checkpoint_committed``, ``end``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from elastic_ft.events import read_events
+from tests.conftest import DEFAULT_SPEC
+from tests.rendezvous.agents import Agent, child_env
+
+# One-second heartbeats: a lost node is dropped after 3 s; rounds close 2 s after the last join.
+RDZV_CONF = "last_call_timeout=2,join_timeout=300,keep_alive_interval=1"
+
+
+@dataclasses.dataclass
+class Node:
+    name: str
+    nproc: int
+    agent: Agent | None = None
+    starts: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.agent is not None and self.agent.poll() is None
+
+
+class Cluster:
+    """Nodes of one run (``run_id``) on the etcd at ``endpoint``, checkpoints and logs under ``root``."""
+
+    def __init__(self, endpoint: str, run_id: str, root: Path, nprocs: list[int], overrides: list[str]) -> None:
+        self.endpoint, self.run_id, self.root = endpoint, run_id, root
+        self.overrides = overrides
+        self.nodes = [Node(f"node{i}", n) for i, n in enumerate(nprocs)]
+        self.events_path = root / "logs" / "events.jsonl"
+
+    def command(self, node: Node) -> list[str]:
+        return [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nnodes", f"1:{len(self.nodes)}", "--nproc-per-node", str(node.nproc),
+            "--rdzv-backend", "etcd3", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
+            "--rdzv-conf", RDZV_CONF, "--max-restarts", "1000", "--monitor-interval", "0.5",
+            "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", self.run_id,
+            "--checkpoint_uri", f"file://{self.root}/runs", "--log_dir", str(self.root / "logs"),
+            *self.overrides,
+        ]
+
+    def start(self, node: Node) -> None:
+        assert not node.running, f"{node.name} is running"
+        node.starts += 1
+        node.agent = Agent(self.command(node), self.root / f"{node.name}.{node.starts}.log", env=child_env())
+
+    def kill(self, node: Node) -> None:
+        """A lost machine: the agent's whole process tree SIGKILLed."""
+        if node.agent is not None:
+            node.agent.kill_tree()
+
+    def sigterm(self, node: Node, timeout: float) -> int:
+        """A container stop: SIGTERM to the agent (it forwards it to its workers); its exit status."""
+        assert node.agent is not None
+        node.agent.process.send_signal(signal.SIGTERM)
+        try:
+            return node.agent.wait(timeout)
+        except AssertionError:
+            node.agent.kill_tree()  # torchrun's own 30 s SIGKILL did not end it: report, leave nothing behind
+            raise
+
+    def stop_all(self) -> None:
+        for node in self.nodes:
+            if node.running:
+                node.agent.kill_tree()
+
+    def events(self) -> list[dict]:
+        return read_events(str(self.events_path)) if self.events_path.exists() else []
+
+    def trained_since(self, t: float, *, steps: int = 1) -> dict | None:
+        """The ``steps``-th step finished by a worker started after wall time ``t``, or None."""
+        log = self.events()
+        first = next((i for i, e in enumerate(log) if e["event"] == "start" and e["ts"] > t), None)
+        if first is None:
+            return None
+        done = [e for e in log[first:] if e["event"] == "step_done"]
+        return done[steps - 1] if len(done) >= steps else None
+
+    def finished(self) -> bool:
+        log = self.events()
+        return bool(log) and log[-1]["event"] == "end"
+
+    def progress(self) -> int:
+        """The newest step finished so far (0 before any)."""
+        return max((e["step"] for e in self.events() if e["event"] == "step_done"), default=0)
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n.name} ({n.agent.log.name})\n{n.agent.tail(3000)}" for n in self.nodes
+                         if n.agent is not None)
+
+
+def wait_until(condition, timeout: float, what: str, cluster: Cluster, poll: float = 0.25):
+    """Poll ``condition`` until truthy, or fail at ``timeout`` naming ``what`` with the nodes' log tails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{cluster.tails()}")
+        time.sleep(poll)
+
+
+def stall_bound() -> float:
+    """Seconds the surviving nodes may take to train again after an event (CHAOS_STALL_S; generous for CI)."""
+    return float(os.environ.get("CHAOS_STALL_S", "150"))
+
+
+ACTIONS = ("kill", "sigterm", "restart")
+
+
+def chaos_plan(seed: int, count: int, nodes: int) -> list[tuple[str, int]]:
+    """A seeded sequence of ``count`` (action, node index) events; pure, so a seed names one sequence.
+
+    At least one node always stays up (kill and sigterm pick a running node
+    only while another one runs); ``restart`` brings back a stopped node;
+    when every node runs the next event takes one down, and when only one
+    runs the next brings one back. So the world changes at every event.
+    """
+    import random
+
+    rng = random.Random(seed)
+    up = set(range(nodes))
+    out = []
+    for _ in range(count):
+        down = sorted(set(range(nodes)) - up)
+        if len(up) > 1 and (not down or rng.random() < 0.6):
+            action, node = rng.choice(("kill", "sigterm")), rng.choice(sorted(up))
+            up.discard(node)
+        else:
+            action, node = "restart", rng.choice(down)
+            up.add(node)
+        out.append((action, node))
+    return out

@@ -1,0 +1,163 @@
+"""Chaos on the real stack: heterogeneous torchrun agents (1, 2 and 1 processes) on etcd3, file:// checkpoints.
+
+Each test drives a sequence of node losses (the agent's process tree
+SIGKILLed), container stops (SIGTERM to an agent) and returns; after every
+event the nodes still up must train again within a bound (a generous deadline
+waited on, ``CHAOS_STALL_S``), and at the end: every sample consumed exactly
+once (ledger), no corrupt checkpoint met on any resume, and the final loss
+within 2e-3 (absolute, on ~5.0) of an uninterrupted run of the same spec and
+global batch at world 1 (constant_global: the same samples and LR, so the same
+model up to the order of float sums).
+
+The sequences that stalled on the code of issue 11 are fixed tests here:
+a node killed, started again and killed again within seconds, and a whole
+job lost and started again with the same command. The seeded random run is
+``test_seeded_chaos``; ``scripts/chaos.sh`` runs it longer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.ledger import check_exactly_once, replay
+from tests.chaos.cluster import Cluster, chaos_plan, stall_bound, wait_until
+from tests.e2e.conftest import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rendezvous"))
+from etcd_server import EtcdServer  # noqa: E402
+
+STEPS = 160
+OVERRIDES = [f"steps={STEPS}", "checkpoint.every_steps=5", "checkpoint.keep_last=null", "logging.ledger=true",
+             "logging.every_steps=5"]
+LOSS_TOLERANCE = 2e-3
+FINISH_S = 400
+
+pytestmark = pytest.mark.slow  # launches torchrun agents
+
+
+@pytest.fixture
+def cluster(tmp_path, request):
+    etcd = EtcdServer(tmp_path / "etcd").start()
+    c = Cluster(etcd.endpoint, request.node.name.replace("[", "-").rstrip("]"), tmp_path, [1, 2, 1], OVERRIDES)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+        etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_loss(tmp_path_factory) -> float:
+    """The final loss of the same spec and global batch trained without interruption (world 1, this process)."""
+    root = str(tmp_path_factory.mktemp("reference"))
+    assert train(root, "ref", *OVERRIDES) == 0
+    from elastic_ft.events import read_events
+
+    events = read_events(os.path.join(root, "ref", "logs", "events.jsonl"))
+    return next(e["loss"] for e in reversed(events) if e["event"] == "step")
+
+
+def start_all(c: Cluster) -> None:
+    for node in c.nodes:
+        c.start(node)
+    wait_until(lambda: c.trained_since(0, steps=2), FINISH_S, "the first steps", c)
+
+
+def trains_again(c: Cluster, since: float, what: str) -> None:
+    """The nodes still up train again (a worker started after ``since`` finished a step), within the bound."""
+    wait_until(lambda: c.trained_since(since) or c.finished(), stall_bound(), f"training again after {what}", c)
+
+
+def finish(c: Cluster, reference: float) -> list[dict]:
+    """Bring every node back, wait for the end; the run's exactness checks."""
+    for node in c.nodes:
+        if not node.running:
+            c.start(node)
+    wait_until(c.finished, FINISH_S, "the end of the run", c, poll=1)
+    events = c.events()
+    plans = [e for e in events if e["event"] == "resume_plan"]
+    assert all(p["skipped"] == [] for p in plans), [p["skipped"] for p in plans]  # no torn checkpoint met
+    assert not [e for e in events if e["event"] == "resume_failed"]
+    history = replay(events)
+    assert sorted(history) == list(range(STEPS))
+    assert check_exactly_once(history, 1024) == []
+    final = next(e for e in reversed(events) if e["event"] == "step")
+    assert final["step"] == STEPS and math.isclose(final["loss"], reference, abs_tol=LOSS_TOLERANCE), \
+        (final["loss"], reference)
+    return events
+
+
+@pytest.mark.skipif(os.environ.get("CHAOS_STALL_REPRO") != "1", reason=(
+    "stalls on this code until the process group's initialisation is bounded: the survivors' workers wait in "
+    "init_process_group for the killed node's ranks, and their agents see healthy workers and no waiting node; "
+    "CHAOS_STALL_REPRO=1 runs it"))
+def test_node_killed_restarted_and_killed_again_within_seconds(cluster, reference_loss):
+    c = cluster
+    start_all(c)
+    victim = c.nodes[2]
+    c.kill(victim)
+    c.start(victim)
+    # Killed again once its new round completed, before its workers could join the process group.
+    wait_until(lambda: "Rendezvous complete" in victim.agent.tail(200_000), stall_bound(), "the rejoin round", c,
+               poll=0.1)
+    c.kill(victim)
+    trains_again(c, time.time(), "the second kill")
+    finish(c, reference_loss)
+
+
+def test_whole_job_lost_and_started_again_with_the_same_command(cluster, reference_loss):
+    c = cluster
+    start_all(c)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in c.events()), FINISH_S, "a checkpoint", c)
+    for node in c.nodes:
+        c.kill(node)
+    t = time.time()
+    for node in c.nodes:
+        c.start(node)
+    trains_again(c, t, "the whole job's restart")
+    events = finish(c, reference_loss)
+    assert [e for e in events if e["event"] == "resume_plan"][-1]["step"] > 0
+
+
+def test_a_finished_job_started_again_exits_finished(cluster, reference_loss):
+    c = cluster
+    start_all(c)
+    finish(c, reference_loss)
+    for node in c.nodes:
+        assert node.agent.wait(120) == 0, node.agent.tail()
+    for node in c.nodes:  # the same command again: the rendezvous of the completed job is reopened
+        c.start(node)
+    for node in c.nodes:
+        assert node.agent.wait(FINISH_S) == 0, node.agent.tail()
+    assert c.events()[-1]["event"] == "end"
+
+
+def run_seeded(c: Cluster, reference: float, seed: int, count: int) -> None:
+    start_all(c)
+    for action, index in chaos_plan(seed, count, len(c.nodes)):
+        node = c.nodes[index]
+        t = time.time()
+        if action == "kill":
+            c.kill(node)
+        elif action == "sigterm":
+            c.sigterm(node, timeout=60)
+        else:
+            c.start(node)
+        trains_again(c, t, f"{action} of {node.name} (seed {seed})")
+    finish(c, reference)
+
+
+def test_seeded_chaos(cluster, reference_loss):
+    run_seeded(cluster, reference_loss, seed=int(os.environ.get("CHAOS_SEED", "3")), count=4)
+
+
+@pytest.mark.skipif("CHAOS_EVENTS" not in os.environ, reason="the long run: scripts/chaos.sh sets CHAOS_EVENTS")
+def test_seeded_chaos_longer(cluster, reference_loss):
+    run_seeded(cluster, reference_loss, seed=int(os.environ.get("CHAOS_SEED", "7")),
+               count=int(os.environ.get("CHAOS_EVENTS", "8")))

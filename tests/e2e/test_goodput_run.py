@@ -1,0 +1,43 @@
+"""Goodput of a real run: killed under torchrun, resumed by the same command, then ``elastic-ft goodput``."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from elastic_ft.events import read_events
+from elastic_ft.goodput import CATEGORIES, LABELS, attribute
+from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
+
+
+def test_killed_and_resumed_run_accounts_for_its_wall_time(run_root):
+    logs = os.path.join(run_root, "run", "logs")
+    args = ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{run_root}", "--log_dir", logs,
+            "steps=6", "checkpoint.every_steps=2", "logging.every_steps=3"]
+    # Rank 1 SIGKILLs itself after 5 steps: at most step 4 is committed, so step 5 at least is trained again.
+    first = torchrun(2, args, env=process_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                                              ELASTIC_FT_FAULTS="kill:rank=1,step=5"))
+    assert first.returncode != 0, "the injected kill did not stop the first attempt"
+    second = torchrun(2, args)
+    assert second.returncode == 0, explain(second)
+
+    events = read_events(os.path.join(logs, "events.jsonl"))
+    starts = [e for e in events if e["event"] == "start"]
+    assert len(starts) == 2 and all(s["process_start"] and s["agent_start"] for s in starts)
+    result = attribute(events)
+    assert result.attempts == 2
+    assert sum(result.seconds.values()) == pytest.approx(result.wall)
+    assert result.wall == pytest.approx(events[-1]["ts"] - starts[0]["agent_start"])
+    # Every category is there: a kept and a lost step, the final flush, the gap, the start-ups.
+    assert all(result.seconds[c] > 0 for c in CATEGORIES), result.seconds
+
+    out = cli("goodput", os.path.join(run_root, "run"))
+    assert out.returncode == 0, explain(out)
+    printed = {c: float(re.search(rf"^{re.escape(LABELS[c])}\s+([\d.]+)", out.stdout, re.M).group(1))
+               for c in CATEGORIES}
+    wall = float(re.search(r"^wall\s+([\d.]+)", out.stdout, re.M).group(1))
+    assert sum(printed.values()) == pytest.approx(wall, abs=0.03)  # each row rounded to 0.01 s
+    assert printed == pytest.approx(result.seconds, abs=0.006)
+    assert f"goodput {100 * result.goodput:.1f} % over 2 attempt(s)" in out.stdout
