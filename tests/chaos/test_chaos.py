@@ -93,10 +93,6 @@ def finish(c: Cluster, reference: float) -> list[dict]:
     return events
 
 
-@pytest.mark.skipif(os.environ.get("CHAOS_STALL_REPRO") != "1", reason=(
-    "stalls on this code until the process group's initialisation is bounded: the survivors' workers wait in "
-    "init_process_group for the killed node's ranks, and their agents see healthy workers and no waiting node; "
-    "CHAOS_STALL_REPRO=1 runs it"))
 def test_node_killed_restarted_and_killed_again_within_seconds(cluster, reference_loss):
     c = cluster
     start_all(c)
