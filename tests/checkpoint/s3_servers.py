@@ -321,3 +321,21 @@ def make_s3_store(endpoint: S3Endpoint, **options):
     prefix = f"runs/{uuid.uuid4().hex[:12]}"
     merged = {**FAST_S3_OPTIONS, **options}
     return S3Store.from_uri(f"s3://{endpoint.bucket}/{prefix}", **merged), prefix + "/"
+
+
+# Set in a child's environment so that it reaches only the test server, as a user's process would reach S3.
+_AWS_OVERRIDDEN = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
+                   "ELASTIC_FT_S3_SSE", "ELASTIC_FT_S3_SSE_KMS_KEY_ID")
+
+
+def aws_env(env: dict[str, str], endpoint: S3Endpoint, tmp: str) -> dict[str, str]:
+    """``env`` for a child process that reaches ``endpoint`` through the standard AWS variables only
+    (no profile, config file, instance metadata or SSE setting of this machine)."""
+    env = {k: v for k, v in env.items() if k not in _AWS_OVERRIDDEN}
+    env.update(
+        AWS_ENDPOINT_URL=endpoint.endpoint_url, AWS_ACCESS_KEY_ID=endpoint.access_key,
+        AWS_SECRET_ACCESS_KEY=endpoint.secret_key, AWS_DEFAULT_REGION=endpoint.region,
+        AWS_CONFIG_FILE=os.path.join(tmp, "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=os.path.join(tmp, "no-aws-credentials"), AWS_EC2_METADATA_DISABLED="true",
+    )
+    return env

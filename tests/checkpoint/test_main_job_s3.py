@@ -14,6 +14,7 @@ from elastic_ft.checkpoint.reader import list_manifests, load_newest
 from elastic_ft.checkpoint.s3 import S3Store
 from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
+from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
 
 pytestmark = pytest.mark.slow
@@ -24,17 +25,7 @@ RUN = "s3main"
 
 def s3_process_env(endpoint, tmp, **extra) -> dict:
     """Child-process environment that reaches ``endpoint`` the way a user's would: standard AWS variables."""
-    env = process_env(**extra)
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
-                 "ELASTIC_FT_S3_SSE", "ELASTIC_FT_S3_SSE_KMS_KEY_ID"):
-        env.pop(name, None)
-    env.update(
-        AWS_ENDPOINT_URL=endpoint.endpoint_url, AWS_ACCESS_KEY_ID=endpoint.access_key,
-        AWS_SECRET_ACCESS_KEY=endpoint.secret_key, AWS_DEFAULT_REGION=endpoint.region,
-        AWS_CONFIG_FILE=os.path.join(tmp, "no-aws-config"),
-        AWS_SHARED_CREDENTIALS_FILE=os.path.join(tmp, "no-aws-credentials"), AWS_EC2_METADATA_DISABLED="true",
-    )
-    return env
+    return aws_env(process_env(**extra), endpoint, tmp)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ beyond the test's bounds: the survivor finishing at all proves that it did not
 wait for the gone node's keep-alive to expire. Run again with the same
 command, the node joins the job again (its workers committing the current
 step for the join); told to go, both nodes leave (in one round or two). The ledger shows every
-sample learned exactly once.
+sample learned exactly once. The SIGTERM test keeps its checkpoints on a real
+S3 server (SeaweedFS), the other in a local directory.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+from tests.checkpoint.s3_servers import SeaweedServer, aws_env
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.rendezvous.etcd_server import EtcdServer
@@ -54,6 +56,15 @@ def etcd(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory):
+    """A real S3 server (SeaweedFS: checks signatures and Content-MD5) for the checkpoints."""
+    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweedfs")))
+    endpoint = server.start()
+    yield endpoint
+    server.stop()
+
+
 @pytest.fixture
 def imds_pair():
     servers = [FakeImds().start(), FakeImds().start()]
@@ -67,9 +78,12 @@ def imds_pair():
 class Job:
     """Two nodes (nproc 1 and 2) of one run on etcd3, each with its own IMDS."""
 
-    def __init__(self, etcd: EtcdServer, tmp: Path, imds: list[FakeImds], steps: int) -> None:
+    def __init__(self, etcd: EtcdServer, tmp: Path, imds: list[FakeImds], steps: int, s3=None) -> None:
         self.etcd, self.tmp, self.imds, self.steps = etcd, tmp, imds, steps
         self.run_id = tmp.name[-60:].strip("-_.") or "leave"
+        # Checkpoints in a local directory, or on the S3 server ``s3`` (an S3Endpoint) when given.
+        self.checkpoint_uri = f"file://{tmp}/runs" if s3 is None else f"s3://{s3.bucket}/jobs/{self.run_id}"
+        self.s3 = s3
         self.events_path = tmp / "logs" / "events.jsonl"
         self.agents = [self.node(nproc, server, f"node{nproc}") for nproc, server in zip((1, 2), imds)]
 
@@ -80,11 +94,14 @@ class Job:
             "--rdzv-backend", "etcd3", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
             "--rdzv-conf", CONF, "--max-restarts", "2", "--monitor-interval", "0.5",
             "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", self.run_id,
-            "--checkpoint_uri", f"file://{self.tmp}/runs", "--log_dir", str(self.tmp / "logs"),
+            "--checkpoint_uri", self.checkpoint_uri, "--log_dir", str(self.tmp / "logs"),
             f"steps={self.steps}", "checkpoint.every_steps=10", "checkpoint.keep_last=null",
             "logging.ledger=true", "logging.every_steps=1", "spot.poll_interval_s=0.1", "spot.imds_timeout_s=5",
         ]
-        return Agent(cmd, self.tmp / f"{name}.log", env=child_env(**{ENDPOINT_ENV: imds.url}))
+        env = child_env(**{ENDPOINT_ENV: imds.url})
+        if self.s3 is not None:
+            env = aws_env(env, self.s3, str(self.tmp))
+        return Agent(cmd, self.tmp / f"{name}.log", env=env)
 
     def events(self) -> list[dict]:
         return read_events(str(self.events_path)) if self.events_path.exists() else []
@@ -181,8 +198,9 @@ def test_terminate_notice_node_leaves_survivor_goes_on_and_the_node_rejoins(etcd
     assert check_exactly_once(history, 1024) == []
 
 
-def test_sigterm_to_a_node_agent_node_leaves_survivor_goes_on(etcd, imds_pair, tmp_path):
-    job = Job(etcd, tmp_path, imds_pair, steps=300)
+def test_sigterm_to_a_node_agent_node_leaves_survivor_goes_on(etcd, imds_pair, seaweed, tmp_path):
+    """Checkpoints on a real S3 server: the leave's commit and the survivor's resume go through S3."""
+    job = Job(etcd, tmp_path, imds_pair, steps=300, s3=seaweed)
     try:
         start = wait_for(lambda: job.training_at(3), WAIT_S, "a step at world size 3", job.agents)
         victim_i, victim, survivor = job.holder_of_rank0(start)
@@ -196,3 +214,5 @@ def test_sigterm_to_a_node_agent_node_leaves_survivor_goes_on(etcd, imds_pair, t
         stop_leftovers(job.agents)
     check_left_and_resumed(job, "sigterm", victim_i)
     check_exactly_once_to_the_end(job)
+    committed = [e for e in job.events() if e["event"] == "checkpoint_committed"]
+    assert committed and all(e["key"].startswith(job.checkpoint_uri) for e in committed), committed[:2]
