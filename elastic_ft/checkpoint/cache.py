@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+import uuid
 
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.segments import Data
@@ -57,6 +59,7 @@ class CachedStore(ObjectStore):
         self.store = store
         self.local = LocalStore(cache_dir)
         self.uri = store.uri
+        self._pruning = threading.Lock()  # the saver puts blobs from several threads
         self.hits = 0
         """Blobs served from the cache (verified) by this process."""
 
@@ -101,11 +104,37 @@ class CachedStore(ObjectStore):
         """Copy a blob into the cache and drop the steps past :data:`KEEP_STEPS`; failures only logged."""
         try:
             self.local.put(key, data)
-            blobs = os.path.join(self.local.root, BLOB_PREFIX)
-            # Newest written or loaded last: a resume from an older step must not lose its blobs to
-            # the orphans of a newer save that never committed.
-            steps = sorted((os.path.join(blobs, d) for d in os.listdir(blobs)), key=os.path.getmtime)
-            for old in steps[:-KEEP_STEPS]:
-                shutil.rmtree(old, ignore_errors=True)
+            with self._pruning:
+                self._prune(keep=_step_dir(key).split("/")[1])  # type: ignore[union-attr]
         except Exception as exc:  # a full or broken local disk costs only the next download
             log.warning("local checkpoint cache: keeping %s failed: %s", key, exc)
+
+    def _prune(self, keep: str) -> None:
+        """Delete the steps written or loaded longest ago, past :data:`KEEP_STEPS`, never ``keep``.
+
+        Newest written or loaded last: a resume from an older step must not
+        lose its blobs to the orphans of a newer save that never committed.
+        A step leaves by an atomic rename before it is deleted: deleting files
+        in place would make its directory look newest to a concurrent prune
+        (here or in another rank's process), which would then drop the steps
+        meant to stay.
+        """
+        blobs = os.path.join(self.local.root, BLOB_PREFIX)
+        ages = {}
+        for name in os.listdir(blobs):
+            if name.startswith(".gone-"):
+                shutil.rmtree(os.path.join(blobs, name), ignore_errors=True)  # a prune cut short by a crash
+            elif not name.startswith("."):
+                try:
+                    ages[name] = os.path.getmtime(os.path.join(blobs, name))
+                except FileNotFoundError:
+                    pass  # pruned by another rank meanwhile
+        for name in sorted(ages, key=ages.__getitem__)[:-KEEP_STEPS]:
+            if name == keep:
+                continue
+            gone = os.path.join(blobs, f".gone-{uuid.uuid4().hex}")
+            try:
+                os.rename(os.path.join(blobs, name), gone)
+            except FileNotFoundError:
+                continue  # another rank took it
+            shutil.rmtree(gone, ignore_errors=True)

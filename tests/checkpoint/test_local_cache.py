@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -77,6 +78,35 @@ def test_the_last_checkpoints_are_kept_and_older_ones_dropped(stores):
         os.utime(cache_dir / "blobs" / f"{step:012d}-n", (step, step))  # distinct ages on coarse clocks
     kept = sorted(os.listdir(cache_dir / "blobs"))
     assert len(kept) == KEEP_STEPS and kept[-1] == f"{KEEP_STEPS + 2:012d}-n"
+
+
+def test_blobs_put_from_several_threads_keep_the_newest_steps(tmp_path):
+    """The saver puts a checkpoint's blobs from several threads, each pruning old steps: a prune that
+    deleted in place made a half-deleted step look newest to the next, which then dropped the steps
+    meant to stay (seen: the whole cache gone after a save)."""
+    names = [f"part{i}.safetensors" for i in range(6)]
+    for attempt in range(15):
+        remote = LocalStore(str(tmp_path / f"remote{attempt}"))
+        cache_dir = tmp_path / f"cache{attempt}"
+        cached = CachedStore(remote, str(cache_dir))
+        for step in (2, 4):
+            for name in names:
+                cached.put(f"blobs/{step:012d}-n/{name}", b"o" * 64)
+            os.utime(cache_dir / "blobs" / f"{step:012d}-n", (step, step))  # distinct ages on coarse clocks
+        barrier = threading.Barrier(len(names))
+
+        def put(name: str) -> None:
+            barrier.wait()
+            cached.put(f"blobs/000000000006-n/{name}", b"n" * 4096)
+
+        threads = [threading.Thread(target=put, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(os.listdir(cache_dir / "blobs")) == ["000000000004-n", "000000000006-n"], attempt
+        assert sorted(os.listdir(cache_dir / "blobs" / "000000000006-n")) == sorted(names), attempt
+        assert sorted(os.listdir(cache_dir / "blobs" / "000000000004-n")) == sorted(names), attempt
 
 
 def test_a_resumed_run_loads_from_the_node_cache_and_never_trusts_a_bad_copy(tmp_path):
