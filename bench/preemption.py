@@ -165,7 +165,9 @@ def preempt_once(c: BenchCluster, tail: rec.EventTail, node: Node, kind: str, fu
     return {"kind": kind, "t0": t0, "log": log, "t_join": t_join, **seen}
 
 
-def run_with_preemptions(args, etcd: EtcdServer, imds: list[FakeImds], root: Path) -> tuple[list[dict], list[dict]]:  # type: ignore[no-untyped-def]
+def run_with_preemptions(args: argparse.Namespace, etcd: EtcdServer, imds: list[FakeImds],
+                         root: Path) -> tuple[list[dict], list[dict]]:
+    """The run with ``args.events``: its events (to the stop) and what each preemption recorded."""
     c = BenchCluster(etcd.endpoint, "preempted", root / "preempted", args.nprocs, overrides(args, 10**6), imds,
                      args.rdzv_conf)
     c.root.mkdir(parents=True)
@@ -188,14 +190,18 @@ def run_with_preemptions(args, etcd: EtcdServer, imds: list[FakeImds], root: Pat
     return read_events(str(c.events_path)), done
 
 
-def run_without(args, etcd: EtcdServer, imds: list[FakeImds], root: Path, steps: int) -> list[dict]:  # type: ignore[no-untyped-def]
+def run_without(args: argparse.Namespace, etcd: EtcdServer, imds: list[FakeImds], root: Path,
+                steps: int) -> list[dict]:
+    """The same cluster trained for ``steps`` steps, nothing preempted, to its end: its events."""
     c = BenchCluster(etcd.endpoint, "baseline", root / "baseline", args.nprocs, overrides(args, steps), imds,
                      args.rdzv_conf)
     c.root.mkdir(parents=True)
+    tail = rec.EventTail(c.events_path)
     try:
         for node in c.nodes:
             c.start(node)
-        wait_until(c.finished, 4 * WAIT_S, f"the end of the run without preemptions ({steps} steps)", c, poll=1)
+        wait_until(lambda: tail.poll() and tail.events[-1]["event"] == "end", 4 * WAIT_S,
+                   f"the end of the run without preemptions ({steps} steps)", c, poll=1)
         for node in c.nodes:
             node.agent.wait(60)
     finally:
@@ -203,7 +209,7 @@ def run_without(args, etcd: EtcdServer, imds: list[FakeImds], root: Path, steps:
     return read_events(str(c.events_path))
 
 
-def overrides(args, steps: int) -> list[str]:  # type: ignore[no-untyped-def]
+def overrides(args: argparse.Namespace, steps: int) -> list[str]:
     out = [f"steps={steps}"]
     if args.every_steps is not None:
         out.append(f"checkpoint.every_steps={args.every_steps}")
@@ -273,7 +279,7 @@ def targets_table(recoveries: list[rec.Recovery], projected: float) -> str:
     return rec.table(rows, "<><")
 
 
-def report(args, events: list[dict], done: list[dict], base_events: list[dict]) -> str:  # type: ignore[no-untyped-def]
+def report(args: argparse.Namespace, events: list[dict], done: list[dict], base_events: list[dict]) -> str:
     year = datetime.datetime.now().year
     full = sum(args.nprocs)
     recoveries = [rec.recovery(d["kind"], d["t0"], events, rec.agent_marks(Path(d["log"]).read_text(errors="replace"),
@@ -303,7 +309,7 @@ def report(args, events: list[dict], done: list[dict], base_events: list[dict]) 
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None = None):  # type: ignore[no-untyped-def]
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", default="notice,kill,silent",
                    help=f"comma-separated preemptions in order, of {', '.join(KINDS)}")

@@ -162,7 +162,8 @@ def recovery(kind: str, t0: float, events: list[dict], marks: list[tuple[float, 
     else:
         head = [("detect (agent restarts workers)", restart)]
     tail = [("stop workers", rendezvousing), ("re-rendezvous", complete), ("worker spawn", process),
-            ("worker init (imports, process group)", start["ts"]), ("load checkpoint, plan", plan and plan["ts"]),
+            ("worker init (imports, model, process group)", start["ts"]),
+            ("load checkpoint, plan", plan and plan["ts"]),
             ("first step", step["ts"])]
     return Recovery(kind=kind, parts=_chain(t0, head + tail), total=step["ts"] - t0,
                     worlds=(world_before, start["world"]), lost=max(0, trained - resumed),
