@@ -39,9 +39,7 @@ notice,kill,silent,sigterm,notice,kill`` runs longer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import os
 import shutil
 import signal
 import sys
@@ -57,10 +55,8 @@ import psutil  # noqa: E402  (after the path set-up above)
 from bench import recovery as rec  # noqa: E402
 from elastic_ft.events import read_events  # noqa: E402
 from elastic_ft.goodput import CATEGORIES, LABELS, Goodput, attribute  # noqa: E402
-from elastic_ft.spot.imds import ENDPOINT_ENV  # noqa: E402
 from tests.chaos.cluster import Cluster, Node, wait_until  # noqa: E402
 from tests.rendezvous.etcd_server import EtcdServer  # noqa: E402
-from tests.spot.imds_server import FakeImds  # noqa: E402
 
 KINDS = rec.ANNOUNCED + rec.UNANNOUNCED
 WAIT_S = 240.0  # any single wait: far above a healthy recovery on a loaded 2-core machine
@@ -69,12 +65,12 @@ TARGETS = {"notice_s": 15.0, "silent_detect_s": 15.0, "goodput": 0.90}
 
 
 class BenchCluster(Cluster):
-    """The chaos cluster, each node with its own IMDS, and the rendezvous options given (default: none)."""
+    """The chaos cluster (each node with its own IMDS) with the rendezvous options given (default: none)."""
 
     def __init__(self, endpoint: str, run_id: str, root: Path, nprocs: list[int], overrides: list[str],
-                 imds: list[FakeImds], rdzv_conf: str) -> None:
+                 rdzv_conf: str) -> None:
         super().__init__(endpoint, run_id, root, nprocs, overrides)
-        self.imds, self.rdzv_conf = imds, rdzv_conf
+        self.rdzv_conf = rdzv_conf
 
     def command(self, node: Node) -> list[str]:
         cmd = super().command(node)
@@ -82,40 +78,18 @@ class BenchCluster(Cluster):
         # The chaos tests tune the heartbeat; the bench measures what a user gets.
         return cmd[:i] + (["--rdzv-conf", self.rdzv_conf] if self.rdzv_conf else []) + cmd[i + 2:]
 
-    def start(self, node: Node) -> None:
-        with _environ(ENDPOINT_ENV, self.imds[self.nodes.index(node)].url):  # child_env() copies os.environ
-            super().start(node)
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str):  # type: ignore[no-untyped-def]
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def in_two_minutes() -> str:
-    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
 
 def trigger(c: BenchCluster, node: Node, kind: str) -> float:
     """Preempt ``node`` by ``kind``; the wall time just before it was done."""
     t0 = time.time()
     if kind == "notice":
-        c.imds[c.nodes.index(node)].set_instance_action({"action": "terminate", "time": in_two_minutes()})
+        c.serve_notice(node)
     elif kind == "sigterm":
         node.agent.process.send_signal(signal.SIGTERM)
     elif kind == "kill":
         c.kill(node)
     else:
-        node.agent.stop_tree()
+        c.silence(node)
     return t0
 
 
@@ -157,18 +131,16 @@ def preempt_once(c: BenchCluster, tail: rec.EventTail, node: Node, kind: str, fu
         except AssertionError:
             c.kill(node)
             seen["code"] = "killed after 60 s"
-    c.imds[c.nodes.index(node)].set_instance_action(None)  # the replacement instance has no notice
     t_join = time.time()
-    c.start(node)
+    c.start(node)  # a replacement instance: its IMDS serves no notice
     wait_until(lambda: rec.first_step_after(tail.poll(), t_join, full), WAIT_S, "the full world again", c,
                poll=0.1)
     return {"kind": kind, "t0": t0, "log": log, "t_join": t_join, **seen}
 
 
-def run_with_preemptions(args: argparse.Namespace, etcd: EtcdServer, imds: list[FakeImds],
-                         root: Path) -> tuple[list[dict], list[dict]]:
+def run_with_preemptions(args: argparse.Namespace, etcd: EtcdServer, root: Path) -> tuple[list[dict], list[dict]]:
     """The run with ``args.events``: its events (to the stop) and what each preemption recorded."""
-    c = BenchCluster(etcd.endpoint, "preempted", root / "preempted", args.nprocs, overrides(args, 10**6), imds,
+    c = BenchCluster(etcd.endpoint, "preempted", root / "preempted", args.nprocs, overrides(args, 10**6),
                      args.rdzv_conf)
     c.root.mkdir(parents=True)
     tail, full = rec.EventTail(c.events_path), sum(args.nprocs)
@@ -190,10 +162,9 @@ def run_with_preemptions(args: argparse.Namespace, etcd: EtcdServer, imds: list[
     return read_events(str(c.events_path)), done
 
 
-def run_without(args: argparse.Namespace, etcd: EtcdServer, imds: list[FakeImds], root: Path,
-                steps: int) -> list[dict]:
+def run_without(args: argparse.Namespace, etcd: EtcdServer, root: Path, steps: int) -> list[dict]:
     """The same cluster trained for ``steps`` steps, nothing preempted, to its end: its events."""
-    c = BenchCluster(etcd.endpoint, "baseline", root / "baseline", args.nprocs, overrides(args, steps), imds,
+    c = BenchCluster(etcd.endpoint, "baseline", root / "baseline", args.nprocs, overrides(args, steps),
                      args.rdzv_conf)
     c.root.mkdir(parents=True)
     tail = rec.EventTail(c.events_path)
@@ -341,18 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root = Path(tempfile.mkdtemp(prefix="bench-preemption-"))
     etcd = EtcdServer(root / "etcd").start()
-    imds = [FakeImds().start() for _ in args.nprocs]
     try:
         print(f"run with preemptions: {', '.join(args.events)}, every {args.interval:.0f} s", flush=True)
-        events, done = run_with_preemptions(args, etcd, imds, root)
+        events, done = run_with_preemptions(args, etcd, root)
         steps = max((e["step"] for e in events if e["event"] == "step_done"), default=0)
         print(f"run without preemptions: {steps} steps", flush=True)
-        base = run_without(args, etcd, imds, root, steps)
+        base = run_without(args, etcd, root, steps)
         print()
         print(report(args, events, done, base))
     finally:
-        for server in imds:
-            server.stop()
         etcd.stop()
         if args.keep:
             print(f"\nwork directory kept: {root}")

@@ -24,9 +24,9 @@ Exit status of a node (its torchrun), for a scheduler's retry rules:
 - 2 is a worker's status for a user error (bad spec, URI, data); torchrun
   reports it as a failure (1).
 
-Each node that stays restarts its workers once per leave (they exit with 75
-too, at the same step boundary), which counts against ``max_restarts``: give
-a spot job room for the leaves it expects.
+Each node that stays restarts its workers once per leave, at the same step
+boundary, as a membership change: with the etcd3 rendezvous a leave does not
+count against ``max_restarts`` (with c10d it does).
 """
 
 
@@ -137,7 +137,7 @@ def train(
         rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
         rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
         rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options; the password only as password_env=VAR)
-        max_restarts: times torchrun restarts failed workers before giving up (each spot leave costs the nodes that stay one)
+        max_restarts: times torchrun restarts failed workers before giving up (a spot leave on etcd3 costs none)
         replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
         image: container image (local_cwd: ignored, the current directory is used)
         cpu: CPUs per node

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A longer chaos run on this machine: 3 heterogeneous torchrun agents (1, 2, 1 processes) on a private
-# etcd3 and file:// checkpoints, a seeded random sequence of hard kills (the agent's process tree),
-# SIGTERMs to agents and returns; after each event the nodes still up must train again within
+# etcd3 and file:// checkpoints, each with its own local IMDS, a seeded random sequence of hard kills
+# (the agent's process tree), SIGTERMs to agents, spot notices served by a node's IMDS, silent nodes
+# (SIGSTOP, then killed) and returns; after each event the nodes still up must train again within
 # CHAOS_STALL_S seconds; at the end every sample is consumed exactly once, no corrupt checkpoint was met,
 # and the final loss is within 2e-3 of an uninterrupted run (see tests/chaos/test_chaos.py).
 #

@@ -2,7 +2,8 @@
 
 :class:`NodeLeft` is how the etcd3 handler ends its torchrun agent with the
 reclaim status; :func:`hand_leave_file` gives the agent its marker path, hands
-it to the workers through the environment, and reads it once more at exit.
+it to the workers through the environment, and reads it once more at exit;
+:func:`peers_leave` tells it that its workers stay while other nodes leave.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from typing import Protocol
 
-from ..spot.leave import AT_EXIT, LEAVE_FILE_ENV, RECLAIM_EXIT_CODE, clear_marker, marker_path
+from ..spot.leave import AT_EXIT, LEAVE_FILE_ENV, RECLAIM_EXIT_CODE, LeaveMarker, clear_marker, marker_path, read_marker
 
 
 class _Leaving(Protocol):
@@ -52,6 +53,15 @@ def hand_leave_file(handler: _Leaving, run_id: str) -> None:
     os.environ[LEAVE_FILE_ENV] = handler.leave_file
     # A strong reference: after a signal, torch's frames that held the handler are gone.
     atexit.register(_leave_at_exit, handler)
+
+
+def peers_leave(leave_file: str | None) -> LeaveMarker | None:
+    """The marker of the agent's workers when they stay while other nodes leave (they committed and wait
+    for a restart in a new round), or None. Cheap without one (a stat): called every monitor interval."""
+    if not leave_file or not os.path.exists(leave_file):
+        return None
+    marker = read_marker(leave_file)
+    return marker if marker is not None and marker.stays else None
 
 
 def _leave_at_exit(handler: _Leaving) -> None:

@@ -49,9 +49,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     RendezvousTimeout,
 )
 
-from ..spot.leave import AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, clear_marker, honoured, read_marker  # noqa: E402
+from ..spot.leave import (  # noqa: E402
+    AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, LeaveMarker, clear_marker, honoured, lost_note, read_marker,
+)
 from ..train.departure import LOST_NODES_ENV  # noqa: E402
-from .departure import NodeLeft, hand_leave_file  # noqa: E402
+from .departure import NodeLeft, hand_leave_file, peers_leave  # noqa: E402
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen  # noqa: E402
 from .liveness import LossDetection  # noqa: E402
 from .store import WritersLostError  # noqa: E402
@@ -81,6 +83,8 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
     etcd_client: Any = None
     """The etcd client under the store and backend (set by :func:`create_handler`);
     ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
+
+    _peers_left: LeaveMarker | None = None  # other nodes left on a notice: read before this round
 
     leave_file: str | None = None
     """The leave marker this agent's workers write when the node leaves on a spot notice
@@ -126,6 +130,9 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
             # Under the lock as torch reads the state: the keep-alive thread syncs and sanitizes it.
             with self._heartbeat_lock:
                 waiting = self._count_lost() or waiting
+            # Other nodes leave on a spot notice and this node's workers committed and wait:
+            # a change of membership, as for a node that joins.
+            waiting = waiting or int(peers_leave(self.leave_file) is not None)
         except RendezvousConnectionError as exc:
             if not isinstance(exc.__cause__, EtcdUnavailableError):
                 raise
@@ -197,12 +204,13 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         self._last_seen = dict(state.last_heartbeats)
         # The workers torch starts next inherit this process' environment: they
         # say which node left in their resume line (elastic_ft.train.departure).
-        lost = self._lost_since_round or departed(previous, self._joined[1])
+        lost = self._lost_since_round if self._peers_left is None else None
+        lost = lost or departed(previous, self._joined[1], self._peers_left)
         if lost:
             os.environ[LOST_NODES_ENV] = lost
         else:
             os.environ.pop(LOST_NODES_ENV, None)
-        self._lost_since_round = None
+        self._lost_since_round = self._peers_left = None
         return super()._get_store()
 
     def _reopen_closed(self, deadline: float) -> None:
@@ -275,10 +283,16 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         Raises:
             NodeLeft: the node left; the agent exits with :data:`RECLAIM_EXIT_CODE`.
         """
-        marker = read_marker(self.leave_file) if self.leave_file else None
+        if not self.leave_file:
+            return
+        clear_marker(lost_note(self.leave_file))  # a new round (or the exit): the lost peer is history
+        marker = read_marker(self.leave_file)
         if marker is None:
             return
         clear_marker(self.leave_file)
+        if marker.stays:
+            self._peers_left = marker  # for the next round's loss line
+            return
         if not honoured(marker, where):
             log.info("Rendezvous %r: the workers answered this agent's own SIGTERM; the node stays.",
                      self.settings.run_id)

@@ -179,11 +179,14 @@ def lost_members(
     return None
 
 
-def departed(previous: tuple[int, Collection[Any]] | None, members: Collection[Any]) -> str | None:
+def departed(previous: tuple[int, Collection[Any]] | None, members: Collection[Any],
+             notice: Any = None) -> str | None:
     """Which nodes of the ``previous`` round (its number and members) are not among ``members``, or None.
 
-    For a loss the agent did not see itself (its workers failed first: the
-    lost node's connections closed), so the reason is what that implies.
+    ``notice``: the leave marker of this node's workers when other nodes left
+    on a spot notice (its ``kind`` and committed ``step``). Without one, a loss
+    the agent did not see itself (its workers failed first: the lost node's
+    connections closed), so the reason is what that implies.
     """
     if previous is None:
         return None
@@ -191,6 +194,8 @@ def departed(previous: tuple[int, Collection[Any]] | None, members: Collection[A
     if not gone:
         return None
     names = ", ".join(str(m) for m in gone)
+    if notice is not None:
+        return f"node(s) {names} of round {previous[0]} left on a spot {notice.kind} notice, step {notice.step} committed"
     return f"node(s) {names} of round {previous[0]} lost (they exited or left; the workers' collectives failed)"
 
 

@@ -19,6 +19,7 @@ from datetime import datetime, timedelta, timezone
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from ..spot.leave import note_peer_lost
 from .lifecycle import lost_members
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class LossDetection:
     _announced_loss: tuple[int, frozenset] | None = None  # the round whose lost member was logged
     _lost_since_round: str | None = None  # why the round this node last joined lost a member
     _last_seen: dict  # the newest heartbeat read of each member of that round (set by _get_store)
+    leave_file: str | None  # the handler's (see there): the lost note lies beside it
 
     def _liveness(self) -> timedelta | None:
         """How old a heartbeat may be for its node to count as alive; None (any
@@ -88,6 +90,8 @@ class LossDetection:
         reason = self._lost_reason(self._last_seen)
         if reason is None:
             return 0
+        if self.leave_file:  # before torch's agent stops the workers: they need not wait for a boundary
+            note_peer_lost(self.leave_file)
         joined = self._joined
         if self._announced_loss != joined:
             self._announced_loss = joined

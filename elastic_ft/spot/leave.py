@@ -15,6 +15,18 @@ and a fresh nonce, never a rank, so a marker left by an earlier agent (a node
 restarted with the same command, a crash before the agent read it) can never
 make a new agent leave.
 
+The nodes that stay write a marker too, flagged :attr:`LeaveMarker.stays`:
+their agent then restarts their workers in a new round as for a node that
+joins (torch counts that as a change of membership, not as one of
+``--max-restarts``), and tells the next round's workers which node left and
+on which notice. The workers wait for that restart after the commit instead
+of exiting, which torch would count as a failure.
+
+The agent also leaves a note for its workers when it restarts them because a
+member of the round is lost (:func:`note_peer_lost`): a worker that gets
+SIGTERM then exits at once, since no step boundary can be reached with a lost
+peer (see :class:`~elastic_ft.spot.watcher.SigtermHandler`).
+
 The marker says which notice it answers. A SIGTERM notice is ambiguous to a
 worker: its agent sends SIGTERM both when the node is stopped (container stop,
 Batch TerminateJob: the agent itself got SIGTERM) and when it only restarts its
@@ -62,6 +74,8 @@ class LeaveMarker:
     """The notice the node leaves on: terminate, stop, hibernate or sigterm."""
     step: int
     """The step committed before the leave."""
+    stays: bool = False
+    """Written by the workers of a node that stays while others leave: its agent restarts them (see above)."""
 
 
 def _file_name_part(run_id: str) -> str:
@@ -102,7 +116,7 @@ def write_marker(path: str, marker: LeaveMarker) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"kind": marker.kind, "step": marker.step}, f)
+        json.dump({"kind": marker.kind, "step": marker.step, "stays": marker.stays}, f)
     os.replace(tmp, path)
 
 
@@ -111,7 +125,7 @@ def read_marker(path: str) -> LeaveMarker | None:
     try:
         with open(path) as f:
             doc = json.load(f)
-        return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]))
+        return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]), stays=doc.get("stays") is True)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -126,14 +140,34 @@ def clear_marker(path: str) -> None:
         pass
 
 
+def lost_note(leave_file: str) -> str:
+    """The path of the agent's note to its workers that a member of the round is lost (beside the marker)."""
+    return leave_file + ".lost"
+
+
+def note_peer_lost(leave_file: str) -> None:
+    """The agent is about to restart its workers because a member is lost: tell them (before the SIGTERM)."""
+    try:
+        os.makedirs(os.path.dirname(leave_file), exist_ok=True)
+        with open(lost_note(leave_file), "w"):
+            pass
+    except OSError as exc:  # the workers then wait for a boundary, as without the note
+        log.warning("spot: could not write %s (%s)", lost_note(leave_file), exc)
+
+
+def peer_lost(leave_file: str) -> bool:
+    """Whether the agent noted a lost member since the current round began."""
+    return os.path.exists(lost_note(leave_file))
+
+
 def honoured(marker: LeaveMarker | None, where: str) -> bool:
     """Whether the agent leaves on ``marker`` at ``where`` (:data:`AT_ROUND` or :data:`AT_EXIT`).
 
     A notice from IMDS leaves wherever it is read. A SIGTERM leaves only at
     exit: before a new round it means the agent stopped its workers itself
-    (a node joins), and the node stays.
+    (a node joins), and the node stays. A marker of a node that stays never leaves.
     """
-    if marker is None:
+    if marker is None or marker.stays:
         return False
     return where == AT_EXIT or marker.kind != "sigterm"
 

@@ -196,7 +196,8 @@ class SigtermHandler:
     if no step boundary (:meth:`boundary`) passes within
     :func:`give_up_after_s` of the signal or of the last boundary, and the loop
     is not already leaving (:meth:`answering`), the process exits with
-    :data:`SIGTERM_EXIT_CODE`, as it would have without us.
+    :data:`SIGTERM_EXIT_CODE`, as it would have without us. It exits at once
+    where the agent noted a lost member before its SIGTERM (``peer_lost``).
 
     Python runs a signal handler only between bytecodes of the main thread,
     which a blocked collective never reaches; so the work happens on a daemon
@@ -206,8 +207,13 @@ class SigtermHandler:
     """
 
     def __init__(self, board: NoticeBoard, *, grace_s: float, boundary_s: float,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, peer_lost: Callable[[], bool] | None = None) -> None:
         self.board, self.grace_s, self.boundary_s, self.wall = board, grace_s, boundary_s, wall
+        self.peer_lost = peer_lost
+        """Whether the agent noted a lost member of the round (:func:`elastic_ft.spot.leave.peer_lost`):
+        then no boundary can come (a collective waits for the lost peer), and SIGTERM ends the process at once."""
+        self.received = threading.Event()
+        """Set once SIGTERM arrived."""
         self._answered = threading.Event()
         self._step_s: float | None = None
         self._deadline: float | None = None  # monotonic; set after SIGTERM, pushed back at each boundary
@@ -261,23 +267,26 @@ class SigtermHandler:
                     return
                 if signal.SIGTERM in data:  # other handled signals wake this fd too
                     break
+        self.received.set()
+        if not self._answered.is_set() and self.peer_lost is not None and self.peer_lost():
+            self._give_up("the agent restarts the workers without a lost peer: no step boundary can come")
         now = self.wall()
         self._deadline = time.monotonic() + give_up_after_s(self.boundary_s, self._step_s)
         if self.board.post(Notice("sigterm", now + self.grace_s, now, "sigterm")):
             log.warning("spot: SIGTERM received; committing and leaving at the next step boundary")
         while not self._answered.wait(max(0.0, self._deadline - time.monotonic())):
             if time.monotonic() >= self._deadline:  # else a boundary pushed it back meanwhile
-                self._give_up()
+                self._give_up(f"no step boundary within {give_up_after_s(self.boundary_s, self._step_s):.3g} s "
+                              f"(SIGTERM pending; a collective stuck on a lost peer?)")
 
-    def _give_up(self) -> None:
-        log.error("spot: no step boundary within %.3g s (SIGTERM pending; a collective stuck on a lost peer?); "
-                  "exiting as SIGTERM would have, without a checkpoint",
-                  give_up_after_s(self.boundary_s, self._step_s))
+    def _give_up(self, why: str) -> None:
+        log.error("spot: %s; exiting as SIGTERM would have, without a checkpoint", why)
         logging.shutdown()
         os._exit(SIGTERM_EXIT_CODE)
 
 
 def install_sigterm(board: NoticeBoard, *, grace_s: float, boundary_s: float = 10.0,
-                    wall: Callable[[], float] = time.time) -> SigtermHandler:
+                    wall: Callable[[], float] = time.time,
+                    peer_lost: Callable[[], bool] | None = None) -> SigtermHandler:
     """Make SIGTERM post a notice (see :class:`SigtermHandler`); ``restore()`` on the result undoes it."""
-    return SigtermHandler(board, grace_s=grace_s, boundary_s=boundary_s, wall=wall).install()
+    return SigtermHandler(board, grace_s=grace_s, boundary_s=boundary_s, wall=wall, peer_lost=peer_lost).install()

@@ -8,13 +8,17 @@ group's device, whether any of them has a notice; only when one has do they
 exchange the notices and follow the leader's :func:`~elastic_ft.spot.policy.decide`.
 A decision that leaves commits the current step (or flushes the save in flight
 that covers it), emits its events and raises :class:`Preempted`, which the
-worker turns into exit code :data:`PREEMPTED_EXIT_CODE`.
+worker turns into exit code :data:`PREEMPTED_EXIT_CODE`. With the etcd3
+rendezvous, the ranks of the nodes that stay first wait for their agent to
+restart them in the smaller world (:meth:`Preemption._await_restart`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from typing import Protocol
 
@@ -25,7 +29,9 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
-from elastic_ft.spot.leave import RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, write_marker
+from elastic_ft.spot.leave import (
+    RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, peer_lost, write_marker,
+)
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
 from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
 from elastic_ft.train.metrics import Metrics
@@ -41,14 +47,21 @@ to retry"): the work is safe and running the same command again resumes at
 the next step. It is distinct from 0 (the run finished), 1 (a crash) and 2 (a
 user error, see :mod:`elastic_ft.worker`). Every rank exits with it, also on
 the nodes that stay: their agents see failed workers and restart them in a
-smaller round at once (one of ``--max-restarts``), rather than waiting for a
-collective with the gone ranks to fail. On the node that leaves, the workers
+smaller round at once, rather than waiting for a collective with the gone
+ranks to fail. With the etcd3 rendezvous they first write a marker that makes
+their agent restart them as for a change of membership, which costs none of
+``--max-restarts``, and wait for it (:data:`RESTART_WAIT_S` at most). On the node that leaves, the workers
 first write the leave marker (:mod:`elastic_ft.spot.leave`): with the etcd3
 rendezvous its agent then leaves the rendezvous instead of restarting them and
 exits with :data:`~elastic_ft.spot.leave.RECLAIM_EXIT_CODE` too. With another
 rendezvous torchrun treats the exit as a failure (restarts the workers, which
 leave again while the notice stands, then exits 1 naming exit code 75).
 """
+
+
+RESTART_WAIT_S = 30.0
+"""How long the ranks of a node that stays wait, after the commit, for their agent to restart them (it
+looks for their marker every monitor interval, 0.1 s by default); then they exit, costing a restart."""
 
 
 class Trainer(Protocol):
@@ -71,10 +84,14 @@ class Trainer(Protocol):
 class Preempted(Exception):
     """The run left on a spot notice after committing its state (raised on every rank alike)."""
 
-    def __init__(self, step: int, kind: str) -> None:
-        self.step, self.kind = step, kind
-        super().__init__(f"left on a {kind} notice at step {step}, state committed; running the same command "
-                         f"again resumes at step {step + 1}")
+    def __init__(self, step: int, kind: str, *, stays: bool = False) -> None:
+        self.step, self.kind, self.stays = step, kind, stays
+        if stays:
+            super().__init__(f"other node(s) left on a {kind} notice at step {step}, state committed; this node "
+                             f"goes on in a new round from step {step + 1}")
+        else:
+            super().__init__(f"left on a {kind} notice at step {step}, state committed; running the same command "
+                             f"again resumes at step {step + 1}")
 
 
 def most_urgent(notices: list[Notice]) -> Notice | None:
@@ -125,13 +142,16 @@ class Preemption:
         self._announced: set[str] = set()  # notices whose "none" decision was already an event
         self.watcher: Watcher | None = None
         self.sigterm: SigtermHandler | None = None
+        # This worker's channel to its agent: set by the etcd3 rendezvous only.
+        self.marker = marker_for_worker(os.environ, os.getppid())
         if cfg.enabled:
             client = ImdsClient(endpoint, timeout_s=cfg.imds_timeout_s, token_ttl_s=cfg.token_ttl_s)
             self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s)
             self.watcher.start()
             if cfg.sigterm:
+                lost = None if self.marker is None else functools.partial(peer_lost, self.marker)
                 self.sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s,
-                                               boundary_s=cfg.sigterm_boundary_s)
+                                               boundary_s=cfg.sigterm_boundary_s, peer_lost=lost)
 
     def agree(self, step_s: float | None = None) -> int:
         """The most urgent notice level of any rank (one all-reduce at the boundaries where ranks agree).
@@ -215,12 +235,26 @@ class Preemption:
             except SaveFailed as exc:  # the same on every rank (see AsyncSaver): commit the step ourselves
                 log.warning("spot: the save in flight failed (%s); committing the current step synchronously", exc)
                 trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
-        marker = marker_for_worker(os.environ, os.getppid()) if _node() in leaving else None
-        if marker:  # only after the commit: the agent leaves for good on it
-            write_marker(marker, LeaveMarker(kind=notice.kind, step=trainer.step))
+        stays = _node() not in leaving
+        if self.marker:  # only after the commit: the agent leaves for good on it, or restarts this node's workers
+            write_marker(self.marker, LeaveMarker(kind=notice.kind, step=trainer.step, stays=stays))
         self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
                          leaving_nodes=sorted(leaving), seconds=round(time.monotonic() - t0, 3))
-        raise Preempted(trainer.step, notice.kind)
+        if self.marker and stays:
+            self._await_restart()
+        raise Preempted(trainer.step, notice.kind, stays=stays)
+
+    def _await_restart(self, timeout_s: float = RESTART_WAIT_S) -> bool:
+        """Wait for the agent's SIGTERM (it restarts this node's workers on their marker); whether it came.
+
+        Without the SIGTERM handler the signal's default action ends the process during the wait.
+        """
+        received = self.sigterm.received if self.sigterm is not None else threading.Event()
+        if received.wait(timeout_s):
+            return True
+        log.warning("spot: the agent did not restart the workers within %g s of the leave; exiting (it counts "
+                    "as one of --max-restarts)", timeout_s)
+        return False
 
     def close(self) -> None:
         if self.sigterm is not None:

@@ -1,8 +1,9 @@
 """A chaos cluster: heterogeneous trainer nodes (torchrun agents on etcd3) that a driver kills, stops and restarts.
 
 Shared by tests/chaos/ and scripts/chaos.sh. A node is one torchrun agent
-running the real trainer; every node of a cluster uses the same command, so a
-node started again is the same node coming back. The run's leader writes the
+running the real trainer, with its own local IMDS (a spot notice is served
+there); every node of a cluster uses the same command, so a node started
+again is the same node coming back. The run's leader writes the
 events every check reads (``events.jsonl``: ``start``, ``step_done``,
 ``resume_plan``, ``checkpoint_committed``, ``end``).
 """
@@ -10,6 +11,7 @@ events every check reads (``events.jsonl``: ``start``, ``step_done``,
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import signal
 import sys
@@ -17,8 +19,10 @@ import time
 from pathlib import Path
 
 from elastic_ft.events import read_events
+from elastic_ft.spot.imds import ENDPOINT_ENV
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env
+from tests.spot.imds_server import FakeImds
 
 # One-second heartbeats: a lost node is dropped after 3 s; rounds close 2 s after the last join.
 RDZV_CONF = "last_call_timeout=2,join_timeout=300,keep_alive_interval=1"
@@ -30,6 +34,7 @@ class Node:
     nproc: int
     agent: Agent | None = None
     starts: int = 0
+    imds: FakeImds | None = None
 
     @property
     def running(self) -> bool:
@@ -59,7 +64,11 @@ class Cluster:
     def start(self, node: Node) -> None:
         assert not node.running, f"{node.name} is running"
         node.starts += 1
-        node.agent = Agent(self.command(node), self.root / f"{node.name}.{node.starts}.log", env=child_env())
+        if node.imds is None:
+            node.imds = FakeImds().start()
+        node.imds.set_instance_action(None)  # a new instance in the reclaimed one's place
+        env = child_env(**{ENDPOINT_ENV: node.imds.url})
+        node.agent = Agent(self.command(node), self.root / f"{node.name}.{node.starts}.log", env=env)
 
     def kill(self, node: Node) -> None:
         """A lost machine: the agent's whole process tree SIGKILLed."""
@@ -76,10 +85,34 @@ class Cluster:
             node.agent.kill_tree()  # torchrun's own 30 s SIGKILL did not end it: report, leave nothing behind
             raise
 
+    def serve_notice(self, node: Node) -> None:
+        """A spot terminate notice (two minutes ahead) served by the node's IMDS."""
+        assert node.imds is not None
+        when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
+        node.imds.set_instance_action({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")})
+
+    def notice(self, node: Node, timeout: float) -> int:
+        """A spot notice to ``node``; its agent's exit status once it left."""
+        assert node.agent is not None
+        self.serve_notice(node)
+        try:
+            return node.agent.wait(timeout)
+        except AssertionError:
+            node.agent.kill_tree()
+            raise
+
+    def silence(self, node: Node) -> None:
+        """A node that goes silent (no TCP reset): its whole process tree SIGSTOPped."""
+        if node.agent is not None:
+            node.agent.stop_tree()
+
     def stop_all(self) -> None:
         for node in self.nodes:
             if node.running:
                 node.agent.kill_tree()
+            if node.imds is not None:
+                node.imds.stop()
+                node.imds = None
 
     def events(self) -> list[dict]:
         return read_events(str(self.events_path)) if self.events_path.exists() else []
@@ -123,14 +156,16 @@ def stall_bound() -> float:
     return float(os.environ.get("CHAOS_STALL_S", "150"))
 
 
-ACTIONS = ("kill", "sigterm", "restart")
+LOSSES = ("kill", "sigterm", "notice", "silent")
+"""How a node goes: hard kill, container stop (SIGTERM), spot notice from IMDS, silence (SIGSTOP)."""
+ACTIONS = (*LOSSES, "restart")
 
 
 def chaos_plan(seed: int, count: int, nodes: int) -> list[tuple[str, int]]:
     """A seeded sequence of ``count`` (action, node index) events; pure, so a seed names one sequence.
 
-    At least one node always stays up (kill and sigterm pick a running node
-    only while another one runs); ``restart`` brings back a stopped node;
+    At least one node always stays up (a loss picks a running node only
+    while another one runs); ``restart`` brings back a stopped node;
     when every node runs the next event takes one down, and when only one
     runs the next brings one back. So the world changes at every event.
     """
@@ -142,7 +177,7 @@ def chaos_plan(seed: int, count: int, nodes: int) -> list[tuple[str, int]]:
     for _ in range(count):
         down = sorted(set(range(nodes)) - up)
         if len(up) > 1 and (not down or rng.random() < 0.6):
-            action, node = rng.choice(("kill", "sigterm")), rng.choice(sorted(up))
+            action, node = rng.choice(LOSSES), rng.choice(sorted(up))
             up.discard(node)
         else:
             action, node = "restart", rng.choice(down)

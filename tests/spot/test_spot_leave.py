@@ -16,6 +16,8 @@ from elastic_ft.spot.leave import (
     leaving_nodes,
     marker_for_worker,
     marker_path,
+    note_peer_lost,
+    peer_lost,
     read_marker,
     write_marker,
 )
@@ -40,6 +42,24 @@ def test_a_sigterm_leaves_only_at_exit_since_before_a_round_it_was_the_agents_ow
     assert not honoured(marker, AT_ROUND)
     assert honoured(marker, AT_EXIT)
     assert not honoured(None, AT_EXIT)
+
+
+@pytest.mark.parametrize("kind", ["terminate", "sigterm"])
+def test_the_marker_of_a_node_that_stays_never_makes_its_agent_leave(kind, tmp_path):
+    marker = LeaveMarker(kind=kind, step=7, stays=True)
+    assert not honoured(marker, AT_ROUND) and not honoured(marker, AT_EXIT)
+    path = marker_path("r", root=str(tmp_path))
+    write_marker(path, marker)
+    assert read_marker(path) == marker
+
+
+def test_the_lost_peer_note_lies_beside_the_marker_and_clears_with_it(tmp_path):
+    path = marker_path("r", root=str(tmp_path))
+    assert not peer_lost(path)
+    note_peer_lost(path)
+    assert peer_lost(path) and read_marker(path) is None  # a note, not a leave
+    clear_marker(f"{path}.lost")
+    assert not peer_lost(path)
 
 
 def test_the_marker_round_trips_and_clears(tmp_path):

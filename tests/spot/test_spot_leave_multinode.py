@@ -6,7 +6,9 @@ workers and exits with the reclaim status (75); the other node goes on at the
 smaller world from the next step. The heartbeat of a node is declared stale
 only after ``keep_alive_interval * keep_alive_max_attempt`` = 1000 s here, far
 beyond the test's bounds: the survivor finishing at all proves that it did not
-wait for the gone node's keep-alive to expire. Run again with the same
+wait for the gone node's keep-alive to expire. No agent may restart its
+workers after a failure (``--max-restarts 0``): a leave, a join and a return
+are changes of membership, not failures. Run again with the same
 command, the node joins the job again (its workers committing the current
 step for the join); told to go, both nodes leave (in one round or two). The ledger shows every
 sample learned exactly once. The SIGTERM test keeps its checkpoints on a real
@@ -92,7 +94,7 @@ class Job:
             str(Path(sys.executable).parent / "torchrun"),
             "--nnodes", "1:2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "etcd3", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
-            "--rdzv-conf", CONF, "--max-restarts", "2", "--monitor-interval", "0.5",
+            "--rdzv-conf", CONF, "--max-restarts", "0", "--monitor-interval", "0.5",
             "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", self.run_id,
             "--checkpoint_uri", self.checkpoint_uri, "--log_dir", str(self.tmp / "logs"),
             f"steps={self.steps}", "checkpoint.every_steps=10", "checkpoint.keep_last=null",
@@ -135,6 +137,9 @@ def check_left_and_resumed(job: Job, kind: str, victim: int) -> tuple[int, int]:
     assert resume["step"] == left_at, resume
     survivor_world = 3 - (victim + 1)  # the nproc of the node that stayed
     assert [e["world"] for e in log[i_pre:] if e["event"] == "start"][0] == survivor_world
+    # The survivors' one line says the node left on the notice, not that it crashed.
+    lost = next(e for e in log[i_pre:] if e["event"] == "node_lost")
+    assert f"left on a spot {kind} notice, step {left_at} committed" in lost["reason"], lost
     trained = [e["step"] for e in log[i_resume:] if e["event"] == "ledger"]
     assert trained[0] == left_at, "the first step trained after the leave is not the one after the commit"
     return left_at, i_resume

@@ -180,6 +180,30 @@ def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, bound
     assert ("no step boundary within 0.5 s" in proc.stderr) == (mode == "stuck"), proc.stderr
 
 
+LOST_PEER_WORKER = """
+import os, signal, sys, time
+from elastic_ft.spot.watcher import NoticeBoard, install_sigterm
+handler = install_sigterm(NoticeBoard(), grace_s=30.0, boundary_s=600.0, peer_lost=lambda: sys.argv[1] == "lost")
+os.kill(os.getpid(), signal.SIGTERM)
+handler.received.wait(30)
+deadline = time.monotonic() + 2  # a step that does not end: a collective stuck on the lost peer
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+# With the agent's note of a lost peer, SIGTERM ends the worker at once (no 600 s wait for a boundary); without
+# it the worker waits for a boundary as before (the script ends by itself after 2 s).
+@pytest.mark.parametrize("lost, code", [("lost", watcher_mod.SIGTERM_EXIT_CODE), ("none", 3)])
+def test_sigterm_after_the_agent_noted_a_lost_peer_exits_without_waiting_for_a_boundary(lost, code):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", LOST_PEER_WORKER, lost], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == code, proc.stderr
+    assert ("without a lost peer" in proc.stderr) == (lost == "lost"), proc.stderr
+
+
 def test_the_give_up_waits_for_two_steps_when_a_step_is_longer_than_the_boundary_setting():
     assert watcher_mod.give_up_after_s(10.0, None) == 10.0
     assert watcher_mod.give_up_after_s(10.0, 3.0) == 10.0

@@ -8,6 +8,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from elastic_ft.events import EventLog
 from elastic_ft.rendezvous.lifecycle import departed
+from elastic_ft.spot.leave import LeaveMarker
 from elastic_ft.train.departure import LOST_NODES_ENV, announce, collective_failure
 
 A, B = _NodeDesc("host", 1, 0), _NodeDesc("host", 2, 0)
@@ -16,6 +17,11 @@ A, B = _NodeDesc("host", 1, 0), _NodeDesc("host", 2, 0)
 def test_a_round_without_a_previous_member_names_it():
     reason = departed((4, {A, B}), {A})
     assert reason is not None and str(B) in reason and str(A) not in reason and "round 4" in reason
+
+
+def test_a_node_that_left_on_a_spot_notice_is_named_with_the_notice_not_as_a_crash():
+    reason = departed((4, {A, B}), {A}, LeaveMarker(kind="terminate", step=31, stays=True))
+    assert reason == f"node(s) {B} of round 4 left on a spot terminate notice, step 31 committed"
 
 
 def test_a_first_round_or_a_grown_one_names_nobody():
