@@ -1,0 +1,221 @@
+"""Security properties of the CloudFormation templates in infra/aws, as pure checks.
+
+Each check takes templates as cfn-lint's YAML loader returns them (plain
+mappings; ``!Ref x`` reads as ``{"Ref": "x"}``) and returns a list of problems,
+empty when the property holds. The tests run every check on the real templates
+and on copies with the property removed, so a check that cannot fail shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+Template = dict[str, Any]
+
+ENCRYPTING = {"AES256", "aws:kms", "aws:kms:dsse"}
+# Every object action the job role may have; all but GetObject write or delete.
+OBJECT_ACTIONS = {
+    "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts",
+}
+CHECKPOINTS = "${BucketArn}/${CheckpointPrefix}/*"
+INPUTS = "${BucketArn}/${InputsPrefix}/*"
+LIST_PREFIXES = {"${CheckpointPrefix}/*", "${InputsPrefix}/*"}
+ECS_INSTANCE_POLICY = "arn:${AWS::Partition}:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"
+
+
+def resources(template: Template, type_: str) -> dict[str, dict]:
+    """The template's resources of one type, by logical name."""
+    return {name: r for name, r in template.get("Resources", {}).items() if r.get("Type") == type_}
+
+
+def branches(value: Any) -> list[Any]:
+    """The values a property may take: both branches of an ``Fn::If``, without ``AWS::NoValue``."""
+    if isinstance(value, dict) and "Fn::If" in value:
+        return [v for branch in value["Fn::If"][1:] for v in branches(branch)]
+    if isinstance(value, dict) and value.get("Ref") == "AWS::NoValue":
+        return []
+    return [value]
+
+
+def as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def sub_text(value: Any) -> str | None:
+    """The text of an ``Fn::Sub`` (short or long form), or a plain string; None otherwise."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "Fn::Sub" in value:
+        sub = value["Fn::Sub"]
+        return sub if isinstance(sub, str) else sub[0]
+    return None
+
+
+def bucket_problems(template: Template) -> list[str]:
+    """One bucket, encrypted by default, public access blocked, incomplete uploads aborted."""
+    buckets = resources(template, "AWS::S3::Bucket")
+    if len(buckets) != 1:
+        return [f"expected one bucket, found {len(buckets)}"]
+    props = next(iter(buckets.values())).get("Properties", {})
+    problems = []
+    rules = props.get("BucketEncryption", {}).get("ServerSideEncryptionConfiguration", [])
+    algorithms = [a for r in rules for a in branches(r.get("ServerSideEncryptionByDefault", {}).get("SSEAlgorithm"))]
+    if not algorithms or not set(algorithms) <= ENCRYPTING:
+        problems.append(f"default encryption must be SSE-S3 or SSE-KMS in every case, got {algorithms}")
+    block = props.get("PublicAccessBlockConfiguration", {})
+    for key in ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"):
+        if block.get(key) is not True:
+            problems.append(f"PublicAccessBlockConfiguration.{key} must be true")
+    lifecycle = props.get("LifecycleConfiguration", {}).get("Rules", [])
+    if not any(r.get("Status") == "Enabled" and r.get("AbortIncompleteMultipartUpload", {}).get("DaysAfterInitiation")
+               for r in lifecycle):
+        problems.append("no enabled lifecycle rule aborts incomplete multipart uploads")
+    return problems
+
+
+def _statements(role: dict) -> Iterator[dict]:
+    for policy in role.get("Properties", {}).get("Policies", []):
+        for statement in policy["PolicyDocument"]["Statement"]:
+            yield from branches(statement)
+
+
+def _s3_problems(action: str, statement: dict) -> list[str]:
+    texts = [sub_text(r) for r in as_list(statement.get("Resource"))]
+    if action == "s3:ListBucket":
+        prefixes = as_list(statement.get("Condition", {}).get("StringLike", {}).get("s3:prefix", []))
+        shown = [sub_text(p) for p in prefixes]
+        if not prefixes or not set(shown) <= LIST_PREFIXES:
+            return [f"s3:ListBucket must be limited to the prefixes {sorted(LIST_PREFIXES)}, got {shown}"]
+        return []
+    if action not in OBJECT_ACTIONS:
+        return [f"unexpected S3 action {action}"]
+    allowed = {CHECKPOINTS, INPUTS} if action == "s3:GetObject" else {CHECKPOINTS}
+    if not texts or not set(texts) <= allowed:
+        return [f"{action} on {texts}: only {sorted(allowed)} allowed"]
+    return []
+
+
+def job_role_problems(template: Template, role_name: str = "JobRole") -> list[str]:
+    """The job role: S3 objects only under the checkpoint prefix (read-write) and inputs (read)."""
+    role = template.get("Resources", {}).get(role_name)
+    if role is None:
+        return [f"no resource {role_name}"]
+    problems = []
+    if role["Properties"].get("ManagedPolicyArns"):
+        problems.append("the job role must have no managed policies")
+    for statement in _statements(role):
+        if statement.get("Effect") != "Allow":
+            continue
+        for action in as_list(statement.get("Action")):
+            if action.startswith("s3:"):
+                problems += _s3_problems(action, statement)
+            elif action in ("kms:Decrypt", "kms:GenerateDataKey"):
+                if as_list(statement.get("Resource")) != [{"Ref": "KmsKeyArn"}]:
+                    problems.append(f"{action} must be limited to the bucket's key")
+            else:
+                problems.append(f"unexpected action {action} in the job role")
+    return problems
+
+
+def instance_role_problems(template: Template, role_name: str = "InstanceRole") -> list[str]:
+    """The Batch instance role: ECS's managed policy for container instances, nothing more."""
+    props = template.get("Resources", {}).get(role_name, {}).get("Properties", {})
+    problems = []
+    if [sub_text(a) for a in props.get("ManagedPolicyArns", [])] != [ECS_INSTANCE_POLICY]:
+        problems.append(f"the instance role must have exactly {ECS_INSTANCE_POLICY}")
+    if props.get("Policies"):
+        problems.append("the instance role must have no inline policies")
+    return problems
+
+
+def spot_problems(template: Template) -> list[str]:
+    """A Spot environment on SPOT_PRICE_CAPACITY_OPTIMIZED, an on-demand one, Spot first in the queue."""
+    envs = resources(template, "AWS::Batch::ComputeEnvironment")
+    spot = {n for n, r in envs.items() if r["Properties"]["ComputeResources"].get("Type") == "SPOT"}
+    on_demand = {n for n, r in envs.items() if r["Properties"]["ComputeResources"].get("Type") == "EC2"}
+    problems = []
+    if not spot or not on_demand:
+        problems.append(f"need a Spot and an on-demand environment, got Spot {spot}, on-demand {on_demand}")
+    for name in spot:
+        if envs[name]["Properties"]["ComputeResources"].get("AllocationStrategy") != "SPOT_PRICE_CAPACITY_OPTIMIZED":
+            problems.append(f"{name}: AllocationStrategy must be SPOT_PRICE_CAPACITY_OPTIMIZED")
+    for queue in resources(template, "AWS::Batch::JobQueue").values():
+        order = sorted(queue["Properties"]["ComputeEnvironmentOrder"], key=lambda o: o["Order"])
+        if not order or order[0]["ComputeEnvironment"].get("Ref") not in spot:
+            problems.append("the job queue must try the Spot environment first")
+    return problems
+
+
+def batch_launch_template_problems(template: Template) -> list[str]:
+    """Every launch template of a compute environment: IMDSv2 only, reachable from containers (hop limit 2)."""
+    problems = []
+    for name, env in resources(template, "AWS::Batch::ComputeEnvironment").items():
+        ref = env["Properties"]["ComputeResources"].get("LaunchTemplate", {}).get("LaunchTemplateId", {})
+        lt = template["Resources"].get(ref.get("Ref", ""), {}) if isinstance(ref, dict) else {}
+        meta = lt.get("Properties", {}).get("LaunchTemplateData", {}).get("MetadataOptions", {})
+        if meta.get("HttpTokens") != "required":
+            problems.append(f"{name}: its launch template must set MetadataOptions.HttpTokens required")
+        if meta.get("HttpPutResponseHopLimit") != 2:
+            problems.append(f"{name}: its launch template must set MetadataOptions.HttpPutResponseHopLimit 2")
+    return problems
+
+
+def etcd_group_problems(template: Template) -> list[str]:
+    """The etcd members: one group of fixed size 3, on-demand only."""
+    groups = resources(template, "AWS::AutoScaling::AutoScalingGroup")
+    if len(groups) != 1:
+        return [f"expected one auto-scaling group, found {len(groups)}"]
+    props = next(iter(groups.values()))["Properties"]
+    problems = []
+    sizes = {k: str(props.get(k)) for k in ("MinSize", "MaxSize", "DesiredCapacity")}
+    if set(sizes.values()) != {"3"}:
+        problems.append(f"the etcd group must have min = max = desired = 3, got {sizes}")
+    if "MixedInstancesPolicy" in props:
+        problems.append("the etcd group must not mix in Spot instances (no MixedInstancesPolicy)")
+    lt = template["Resources"].get(props.get("LaunchTemplate", {}).get("LaunchTemplateId", {}).get("Ref", ""), {})
+    data = lt.get("Properties", {}).get("LaunchTemplateData")
+    if data is None:
+        problems.append("the etcd group must use a launch template of this stack")
+    elif "InstanceMarketOptions" in data:
+        problems.append("the etcd launch template must not request Spot (InstanceMarketOptions)")
+    return problems
+
+
+def _ingress_rules(template: Template) -> Iterator[tuple[str, dict]]:
+    """(group logical name or '?', rule) for inline and separate ingress rules."""
+    for name, group in resources(template, "AWS::EC2::SecurityGroup").items():
+        for rule in group.get("Properties", {}).get("SecurityGroupIngress", []):
+            yield name, rule
+    for rule in resources(template, "AWS::EC2::SecurityGroupIngress").values():
+        props = rule["Properties"]
+        group = props.get("GroupId")
+        yield (group.get("Ref", "?") if isinstance(group, dict) else "?"), props
+
+
+def ingress_problems(template: Template) -> list[str]:
+    """No inbound rule from an address range: only from our security groups; etcd takes 2379 from training."""
+    problems = []
+    for group, rule in _ingress_rules(template):
+        for key in ("CidrIp", "CidrIpv6", "SourcePrefixListId"):
+            if key in rule:
+                problems.append(f"{group}: inbound from {key} {rule[key]} (only security groups may be sources)")
+        source = rule.get("SourceSecurityGroupId", {})
+        source = source.get("Ref") if isinstance(source, dict) else source
+        if group == "EtcdSecurityGroup" and source == "TrainingSecurityGroup":
+            if (rule.get("IpProtocol"), rule.get("FromPort"), rule.get("ToPort")) != ("tcp", 2379, 2379):
+                problems.append("training nodes may reach etcd on tcp 2379 only")
+        if group == "TrainingSecurityGroup" and source != "TrainingSecurityGroup":
+            problems.append(f"training nodes accept traffic only from each other, not from {source}")
+    return problems
+
+
+def secret_parameter_problems(template: Template) -> list[str]:
+    """Passwords and keys enter only as references to secrets, never as parameter values."""
+    problems = []
+    for name in template.get("Parameters", {}):
+        lowered = name.lower()
+        if any(w in lowered for w in ("password", "tls", "key")) and not (
+            name.endswith("SecretArn") or name == "KmsKeyArn" or name.endswith("KeyPrefix")
+        ):
+            problems.append(f"parameter {name} looks like a secret value; take a secret's ARN instead")
+    return problems
