@@ -15,7 +15,7 @@ import dataclasses
 import re
 
 SCHEME = "s3://"
-_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
+_BUCKET = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,253}[A-Za-z0-9])?$")
 _MAX_KEY_BYTES = 1024  # S3's own limit
 _MAX_NAME_BYTES = 255  # a file name's limit on Linux filesystems
 
@@ -70,7 +70,7 @@ def _split(uri: str, example: str) -> tuple[str, str]:
         raise InputRefused(f"{uri!r} has a query or fragment ('?' or '#'); write it as {example}")
     bucket, _, key = rest.partition("/")
     if not _BUCKET.match(bucket):
-        raise InputRefused(f"{uri!r} names no valid bucket (3 to 255 letters, digits, '.', '_', '-'); "
+        raise InputRefused(f"{uri!r} names no valid bucket (1 to 255 letters, digits, '.', '_', '-'); "
                             f"write it as {example}")
     return bucket, key
 
