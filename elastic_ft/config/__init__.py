@@ -18,6 +18,7 @@ from elastic_ft.config.sections import (
     BatchConfig,
     CheckpointConfig,
     DataConfig,
+    InputsConfig,
     JobSpec,
     LoggingConfig,
     LoraConfig,
@@ -28,7 +29,7 @@ from elastic_ft.config.sections import (
 from elastic_ft.config.validation import validate
 
 __all__ = [
-    "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig",
+    "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig", "InputsConfig",
     "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "SpotConfig", "apply_overrides",
     "load_spec", "spec_from_dict", "validate",
 ]

@@ -8,7 +8,7 @@ MAX_STEPS = 10**9
 """Steps of a run (and step counts like warm-up and cadence); manifest keys hold 12 digits."""
 MAX_BATCH = 2**24
 """Samples in one step; the trainer also refuses more than the dataset holds."""
-_MiB, _GiB = 2**20, 2**30
+_MiB, _GiB, _TiB = 2**20, 2**30, 2**40
 
 
 # Every numeric field of the spec, so no input can make the trainer allocate,
@@ -58,4 +58,7 @@ LIMITS: dict[str, Bound] = {
     "spot.sigterm_boundary_s": Bound(1.0, 3600.0),
     "spot.margin_s": Bound(0.0, 3600.0),
     "spot.collective_timeout_s": Bound(10.0, 86400.0),
+    "inputs.max_file_bytes": Bound(1, 5 * _TiB),  # S3's largest object
+    "inputs.max_model_bytes": Bound(1, 16 * _TiB),
+    "inputs.max_model_files": Bound(1, 10**6),
 }

@@ -14,16 +14,19 @@ from typing import Literal
 
 # The S3 store's settings are the spec's checkpoint.s3 section; importing them loads no store or boto3.
 from elastic_ft.checkpoint.s3.options import S3Options
+from elastic_ft.inputs.settings import InputsConfig
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     name_or_path: str | None = None
-    """A local model directory or a hub name (``AutoModelForCausalLM.from_pretrained``)."""
+    """A local model directory, a hub name (``AutoModelForCausalLM.from_pretrained``), or an
+    ``s3://bucket/prefix/`` holding the directory's files, fetched into each node's input cache."""
     config: dict | None = None
     """Inline ``transformers`` config (with ``model_type``) for a from-scratch model, initialised from ``seed``."""
     tokenizer: str | None = None
-    """Tokenizer directory or hub name; default: ``name_or_path``, or the built-in byte tokenizer for inline configs."""
+    """Tokenizer directory, hub name or ``s3://bucket/prefix/``; default: ``name_or_path``, or the built-in
+    byte tokenizer for inline configs."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the base model."""
 
@@ -31,7 +34,8 @@ class ModelConfig:
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
     files: list[str] = dataclasses.field(default_factory=list)
-    """Local json/jsonl/parquet/text files; relative paths are resolved against the spec file's directory."""
+    """json/jsonl/parquet/text files: local paths (relative ones resolved against the spec file's directory)
+    or ``s3://bucket/key`` objects, fetched into each node's input cache (see ``inputs``)."""
     dataset: str | None = None
     """A hub dataset name for ``datasets.load_dataset`` (instead of ``files``)."""
     split: str = "train"
@@ -199,6 +203,8 @@ class JobSpec:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     spot: SpotConfig = dataclasses.field(default_factory=SpotConfig)
+    inputs: InputsConfig = dataclasses.field(default_factory=InputsConfig)
+    """Where each node caches the ``s3://`` data files and model directories it fetches, and their bounds."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -208,7 +214,7 @@ class JobSpec:
         d = self.to_dict()
         # Cadence, logging and run length may change between restarts (extend a run
         # with steps=...) without making the checkpoint a different training.
-        for volatile in ("logging", "checkpoint", "spot", "name", "steps", "epochs"):
+        for volatile in ("logging", "checkpoint", "spot", "inputs", "name", "steps", "epochs"):
             d.pop(volatile, None)
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

@@ -7,6 +7,7 @@ import os
 from elastic_ft.bounds import out_of_range, show_value as _show
 from elastic_ft.config.limits import LIMITS
 from elastic_ft.config.sections import JobSpec
+from elastic_ft.inputs.uri import has_scheme, uri_problem
 from elastic_ft.names import name_problem
 
 
@@ -44,8 +45,23 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     # environment's values, when the store opens; here before any work, naming the field.
     p.extend((f"checkpoint.s3.{field}", msg) for field, msg in spec.checkpoint.s3.problems()
              if f"checkpoint.s3.{field}" not in reported)
-    for i, f in enumerate(d.files if check_files else ()):
-        need(os.path.isfile(f) or "://" in f, f"data.files[{i}]", f"file {f!r} does not exist")
+    p.extend(_input_problems(spec, check_files))
+    return p
+
+
+def _input_problems(spec: JobSpec, check_files: bool) -> list[tuple[str, str]]:
+    """A URI that cannot be fetched (any scheme but s3://, a malformed s3:// URI), or a local data file missing."""
+    p = []
+    for field in ("name_or_path", "tokenizer"):
+        value = getattr(spec.model, field)
+        if value is not None and (problem := uri_problem(value, directory=True)):
+            p.append((f"model.{field}", problem))
+    for i, f in enumerate(spec.data.files):
+        if has_scheme(f):
+            if problem := uri_problem(f, directory=False):
+                p.append((f"data.files[{i}]", problem))
+        elif check_files and not os.path.isfile(f) and "://" not in f:
+            p.append((f"data.files[{i}]", f"file {f!r} does not exist"))
     return p
 
 

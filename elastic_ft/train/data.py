@@ -14,6 +14,7 @@ import os
 import torch
 
 from elastic_ft.config import DataConfig
+from elastic_ft.inputs.resolve import InputSource, default_source
 from elastic_ft.train.datafiles import DataError, check_files, kind_of, missing_field_error, needed_fields
 
 IGNORE = -100
@@ -120,5 +121,11 @@ def tokenize(records, cfg: DataConfig, tokenizer) -> TokenizedData:
     return TokenizedData(input_ids, labels, mask, target_tokens)
 
 
-def load(cfg: DataConfig, tokenizer) -> TokenizedData:
-    return tokenize(load_records(cfg), cfg, tokenizer)
+def load(cfg: DataConfig, tokenizer, inputs: InputSource | None = None) -> TokenizedData:
+    """The tokenized samples of ``cfg``; ``s3://`` files are read from this node's cached copies,
+    fetched through ``inputs`` (default: the environment's cache and S3 settings)."""
+    if inputs is None:
+        with default_source() as own:
+            return load(cfg, tokenizer, own)
+    local = inputs.data(cfg)
+    return tokenize(load_records(local), local, tokenizer)

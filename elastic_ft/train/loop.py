@@ -36,6 +36,7 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog
+from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure
 from elastic_ft.train import data as data_mod
@@ -75,9 +76,10 @@ class Trainer:
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
-        self.tokenizer, self.model = model_mod.build(spec)
+        with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
+            self.tokenizer, self.model = model_mod.build(spec, inputs)
+            self.data = data_mod.load(spec.data, self.tokenizer, inputs)
         self.model.to(world.device)
-        self.data = data_mod.load(spec.data, self.tokenizer)
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}

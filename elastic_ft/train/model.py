@@ -1,5 +1,6 @@
-"""The model and tokenizer: from a local directory or hub name, or built from an
-inline config (tiny test models), then wrapped with LoRA by peft.
+"""The model and tokenizer: from a local directory, a hub name or an ``s3://``
+prefix (fetched into the node's input cache first, :mod:`elastic_ft.inputs`),
+or built from an inline config (tiny test models), then wrapped with LoRA by peft.
 
 No weights are downloaded for the default job: an inline config is initialised
 from the spec's seed, and its tokenizer is a byte-level one built in code, so
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig
+from elastic_ft.inputs.resolve import InputSource
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -108,10 +110,15 @@ def apply_lora(model, spec: JobSpec):
         return get_peft_model(model, lora)
 
 
-def build(spec: JobSpec):
-    """(tokenizer, model ready to train) for ``spec``."""
-    tokenizer = build_tokenizer(spec.model)
-    model = apply_lora(build_base_model(spec.model, tokenizer, spec.seed), spec)
+def build(spec: JobSpec, inputs: InputSource | None = None):
+    """(tokenizer, model ready to train) for ``spec``; ``s3://`` directories come through ``inputs``
+    (default: a source of the spec's own settings, closed after)."""
+    if inputs is None:
+        with InputSource.from_spec(spec) as own:
+            return build(spec, own)
+    cfg = inputs.model(spec.model)
+    tokenizer = build_tokenizer(cfg)
+    model = apply_lora(build_base_model(cfg, tokenizer, spec.seed), spec)
     return tokenizer, model
 
 

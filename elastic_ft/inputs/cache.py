@@ -1,0 +1,213 @@
+"""The node-local cache of fetched inputs: one entry per URI, filled under a file lock, renamed into place.
+
+Layout under the cache root, for each URI (``NAME`` is the bucket and a
+digest of the URI, so nested prefixes and a file inside a cached prefix are
+separate entries that never share a file):
+
+- ``NAME/``: the object as ``NAME/<its file name>`` (a data file keeps its
+  name, so its format is still inferred from the extension), or every object
+  under the prefix at its relative path (a model directory);
+- ``NAME.json``: per file, the ETag and size of the object it was downloaded
+  from and its sha256 (written after each file lands);
+- ``NAME.lock``: held (``fcntl.flock``, exclusive) while the entry is checked
+  and filled. The local ranks of a node start together and all resolve the
+  same inputs: the first downloads, the others wait, then find the entry
+  current and reuse it. The kernel releases the lock of a killed process; a
+  download it left half-written is a temp file, removed as a stray.
+
+A file is downloaded to ``<path>.eft-part-<pid>``, fsynced, then renamed over
+``<path>``, so no reader ever opens a half-written file. Files under the entry
+that the prefix no longer holds are removed, so the directory is exactly the
+prefix. Whether a copy is reused is :mod:`.plan`'s decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+from elastic_ft.checkpoint.s3.errors import ObjectChanged
+from elastic_ft.checkpoint.errors import StoreUnavailable
+from elastic_ft.inputs.plan import (
+    Record, RemoteObject, bounds_problem, records_from_json, records_to_json, reuse_problem, stale_files,
+)
+from elastic_ft.inputs.remote import RemoteInputs
+from elastic_ft.inputs.settings import InputsConfig
+from elastic_ft.inputs.uri import InputRefused, S3Location, parse_object_uri, parse_prefix_uri
+
+log = logging.getLogger(__name__)
+
+# Whole re-plans when an object changes between its HEAD/LIST and its GET.
+_REPLANS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A resolved input: its local ``path``, and the files (relative paths) this call downloaded."""
+
+    path: str
+    fetched: list[str]
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class InputCache:
+    """Inputs of ``remote`` cached under ``root``, bounded and verified by ``settings``."""
+
+    def __init__(self, root: str, remote: RemoteInputs, settings: InputsConfig) -> None:
+        self.root, self.remote, self.settings = root, remote, settings
+
+    def fetch_file(self, uri: str) -> Fetched:
+        """The local copy of the object ``s3://bucket/key``, fetched unless a verified copy is cached."""
+        loc = parse_object_uri(uri)
+        name = os.path.basename(loc.key)
+        return self._fill(loc, lambda: [self.remote.head(loc, name)], os.path.join(self._entry(loc), name))
+
+    def fetch_dir(self, uri: str) -> Fetched:
+        """The local copy of every object under ``s3://bucket/prefix/``, as one directory."""
+        loc = parse_prefix_uri(uri)
+
+        def listing() -> list[RemoteObject]:
+            objects = self.remote.list(loc, self.settings.max_model_files)
+            if not objects:
+                raise InputRefused(f"{loc.uri} holds no objects; upload the model directory there first")
+            return objects
+
+        return self._fill(loc, listing, self._entry(loc))
+
+    def _entry(self, loc: S3Location) -> str:
+        return os.path.join(self.root, f"{loc.bucket}-{hashlib.sha256(loc.uri.encode()).hexdigest()[:16]}")
+
+    def _fill(self, loc: S3Location, plan, path: str) -> Fetched:
+        entry = self._entry(loc)
+        with self._locked(entry):
+            for attempt in range(1, _REPLANS + 1):
+                objects = plan()
+                problem = bounds_problem(objects, max_file_bytes=self.settings.max_file_bytes,
+                                         max_total_bytes=self.settings.max_model_bytes)
+                if problem:
+                    raise InputRefused(f"{loc.uri} is refused: {problem}")
+                try:
+                    return Fetched(path, self._sync(loc, entry, objects))
+                except ObjectChanged:
+                    log.warning("%s changed while it was being fetched (attempt %d of %d); listing it again",
+                                loc.uri, attempt, _REPLANS)
+        raise StoreUnavailable(f"{loc.uri} changed during each of {_REPLANS} fetches; "
+                               "wait until it is no longer being written, then retry")
+
+    @contextlib.contextmanager
+    def _locked(self, entry: str) -> Iterator[None]:
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(entry + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            yield
+        finally:
+            os.close(fd)
+
+    def _sync(self, loc: S3Location, entry: str, objects: list[RemoteObject]) -> list[str]:
+        """Make ``entry`` hold exactly ``objects``, downloading those without a verified copy."""
+        records = _read_records(entry + ".json")
+        for rel in stale_files(_local_files(entry), (o.rel for o in objects)):
+            os.remove(os.path.join(entry, rel))  # strays: temp files of a killed fetch, files gone from S3
+            records.pop(rel, None)
+        todo = [(o, reason) for o in objects if (reason := self._reuse_problem(entry, o, records.get(o.rel)))]
+        _check_space(entry, loc.uri, sum(o.size for o, _ in todo))
+        for obj, reason in todo:
+            log.info("fetching s3://%s/%s (%d bytes): %s", loc.bucket, obj.key, obj.size, reason)
+            records[obj.rel] = self._download(loc.bucket, entry, obj)
+            _write_records(entry + ".json", loc.uri, records)
+        if not todo:
+            log.info("%s: using the verified copy cached in %s", loc.uri, entry)
+        return [o.rel for o, _ in todo]
+
+    def _reuse_problem(self, entry: str, obj: RemoteObject, record: Record | None) -> str | None:
+        path = _inside(entry, obj.rel)
+        local_size = os.path.getsize(path) if os.path.isfile(path) else None
+        problem = reuse_problem(obj, record, local_size)
+        if problem is None and record is not None and self.settings.verify == "sha256":
+            if file_sha256(path) != record.sha256:
+                problem = "the cached file's sha256 differs from the one recorded at download"
+        return problem
+
+    def _download(self, bucket: str, entry: str, obj: RemoteObject) -> Record:
+        path = _inside(entry, obj.rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # a prefix that was a directory here is now a file
+        tmp = f"{path}.eft-part-{os.getpid()}"
+        try:
+            sha256 = self.remote.download(bucket, obj, tmp)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        _fsync_dir(os.path.dirname(path))
+        return Record(etag=obj.etag, size=obj.size, sha256=sha256)
+
+
+def _inside(entry: str, rel: str) -> str:
+    """``entry/rel``, refusing one that resolves outside ``entry`` (keys were checked; this is the backstop)."""
+    path = os.path.join(entry, rel)
+    real_entry = os.path.realpath(entry)
+    if os.path.commonpath([real_entry, os.path.realpath(path)]) != real_entry or os.path.isabs(rel):
+        raise InputRefused(f"key {rel!r} would leave the cache directory {entry}; refusing it")
+    return path
+
+
+def _local_files(entry: str) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(entry):
+        out.extend(os.path.relpath(os.path.join(dirpath, f), entry) for f in files)
+    return out
+
+
+def _check_space(entry: str, uri: str, needed: int) -> None:
+    if needed == 0:
+        return
+    os.makedirs(entry, exist_ok=True)
+    free = shutil.disk_usage(entry).free
+    if free < needed:
+        raise InputRefused(f"{uri} needs {needed} bytes in the input cache {entry} but only {free} are free; "
+                           "free space there or set inputs.cache_dir to a larger disk")
+
+
+def _read_records(path: str) -> dict[str, Record]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return records_from_json(json.load(f))
+    except (OSError, ValueError):
+        return {}  # no record, or an unreadable one: every file is fetched again
+
+
+def _write_records(path: str, uri: str, records: dict[str, Record]) -> None:
+    tmp = f"{path}.eft-part-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(records_to_json(uri, records), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["Fetched", "InputCache", "file_sha256"]
