@@ -28,6 +28,9 @@ MAX_NAME = 128  # job and job definition names: letters, digits, '-' and '_'
 ARRAY_INDEX = "${AWS_BATCH_JOB_ARRAY_INDEX:-0}"  # unset in a plain (size 1) container job
 
 
+_SECRET = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*:arn:\S+$")
+
+
 class BatchArgumentError(ComponentArgumentError):
     """An app or run option that cannot work as an AWS Batch array job; one line per problem.
 
@@ -92,6 +95,12 @@ def problems(app: AppDef, cfg: Mapping[str, Any]) -> List[str]:
     attempts = attempts_problem(cfg.get("attempts", DEFAULT_ATTEMPTS))
     if attempts:
         found.append(attempts)
+    found += [
+        f"-cfg secrets: {item!r} is not NAME:ARN (a variable name, then the Secrets Manager or SSM "
+        "parameter ARN Batch reads its value from, e.g. ELASTIC_FT_ETCD_PASSWORD:arn:aws:secretsmanager:...)"
+        for item in cfg.get("secrets") or []
+        if not _SECRET.match(item)
+    ]
     return found + _role_problems(app.roles, rdzv_ok=rdzv_ok)
 
 
@@ -184,6 +193,11 @@ def _container(role: Role, cfg: Mapping[str, Any]) -> Dict[str, Any]:
         execution_role_arn=cfg.get("execution_role_arn"),
     )["container"]
     container.pop("instanceType", None)
+    secrets = [item.split(":", 1) for item in cfg.get("secrets") or []]
+    if secrets:
+        # Batch puts each value in the named variable, read with the execution role; the
+        # value is never in the job definition (the etcd password: --rdzv_conf password_env=NAME).
+        container["secrets"] = [{"name": name, "valueFrom": arn} for name, arn in secrets]
     return container
 
 

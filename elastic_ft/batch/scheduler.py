@@ -32,6 +32,7 @@ CANCEL_REASON = "killed via torchx CLI"  # torchx's own reason
 
 class ElasticBatchOpts(AWSBatchOpts, total=False):
     attempts: int
+    secrets: Optional[List[str]]
 
 
 class ElasticBatchScheduler(AWSBatchScheduler):
@@ -45,6 +46,12 @@ class ElasticBatchScheduler(AWSBatchScheduler):
             default=DEFAULT_ATTEMPTS,
             help=f"elastic_ft.train only: runs per node (1 to {MAX_ATTEMPTS}); a node is retried when "
             "Spot reclaims its host or it leaves on a spot notice (exit 75), and fails on anything else",
+        )
+        opts.add(
+            "secrets",
+            type_=List[str],
+            help="elastic_ft.train only: NAME:ARN items, ';'-separated: each node gets the variable NAME "
+            "set from the Secrets Manager secret or SSM parameter ARN (read with execution_role_arn)",
         )
         return opts
 

@@ -22,6 +22,7 @@ CASES = {
     "etcd3 without endpoint": ({"rdzv_endpoint": None}, "queue=q", "--rdzv_backend etcd3 needs --rdzv_endpoint"),
     "no run id": ({"run_id": None}, "queue=q", "--run_id: required on aws_batch"),
     "attempts 11": ({}, "queue=q,attempts=11", "-cfg attempts=11: AWS Batch allows 1 to 10 attempts"),
+    "secret without arn": ({}, "queue=q,secrets=ELASTIC_FT_ETCD_PASSWORD", "-cfg secrets: 'ELASTIC_FT_ETCD_PASSWORD' is not NAME:ARN"),
 }
 
 

@@ -102,6 +102,17 @@ def test_run_options_attempts_roles_and_share():
     assert container["executionRoleArn"] == "arn:aws:iam::1:role/exec"
 
 
+def test_secrets_come_from_arns_not_values():
+    password = "arn:aws:secretsmanager:us-east-1:1:secret:etcd-AbC"
+    ca = "arn:aws:ssm:us-east-1:1:parameter/eft/ca"
+    request = dryrun(train_args(), secrets=[f"ELASTIC_FT_ETCD_PASSWORD:{password}", f"ELASTIC_FT_ETCD_CA_PEM:{ca}"]).request
+    assert request.job_definition["containerProperties"]["secrets"] == [
+        {"name": "ELASTIC_FT_ETCD_PASSWORD", "valueFrom": password},
+        {"name": "ELASTIC_FT_ETCD_CA_PEM", "valueFrom": ca},
+    ]
+    assert "secrets" not in dryrun(train_args()).request.job_definition["containerProperties"]
+
+
 def test_job_names_keep_to_batch_alphabet():
     request = dryrun(train_args(run_id="llama.8b_" + "x" * 119)).request
     assert len(request.name) <= 128
