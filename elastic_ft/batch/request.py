@@ -74,8 +74,8 @@ def problems(app: AppDef, cfg: Mapping[str, Any]) -> List[str]:
     rdzv_ok = False
     if backend != "etcd3":
         found.append(
-            f"--rdzv_backend {backend}: on aws_batch the nodes are separate jobs with no rank-0 host, "
-            "so c10d cannot work; give --rdzv_backend etcd3 --rdzv_endpoint HOST:PORT of an etcd v3 server"
+            f"--rdzv_backend {backend}: on aws_batch the nodes are separate jobs with no rank-0 host for "
+            "c10d to use; give --rdzv_backend etcd3 --rdzv_endpoint HOST:PORT of an etcd v3 server"
         )
     elif meta.get("elastic_ft.rdzv_endpoint") != "given":
         found.append("--rdzv_endpoint: give HOST:PORT of the etcd v3 server the nodes meet at")

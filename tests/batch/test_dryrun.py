@@ -9,6 +9,7 @@ import torchx
 from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_APPNAME, TAG_TORCHX_USER, TAG_TORCHX_VER
 
 from elastic_ft.batch.request import ArrayJobRequest
+from elastic_ft.components import train
 from tests.batch.conftest import CHECKPOINTS, ETCD, RUN_ID, dryrun, scheduler_request, torchx as torchx_cli, train_args
 from tests.conftest import explain
 
@@ -128,3 +129,16 @@ def test_cli_dryrun_prints_the_exact_requests():
     assert calls["register_job_definition"]["containerProperties"]["command"] == ["bash", "-c", LINE]
     assert calls["submit_job"]["arrayProperties"] == {"size": 8}
     assert calls["submit_job"]["retryStrategy"]["evaluateOnExit"] == RULES
+
+
+def test_component_marks_its_app_with_tag_safe_facts():
+    meta = train(nnodes="2:8", run_id=RUN_ID, checkpoint_uri="s3://b/ä?x", rdzv_backend="etcd3",
+                 rdzv_endpoint=ETCD).metadata
+    assert meta == {
+        "elastic_ft.component": "train", "elastic_ft.min_nodes": "2", "elastic_ft.max_nodes": "8",
+        "elastic_ft.rdzv_backend": "etcd3", "elastic_ft.rdzv_endpoint": "given",
+        "elastic_ft.checkpoint_scheme": "s3", "elastic_ft.run_id": RUN_ID,
+    }
+    odd = train(rdzv_backend="my$backend;", checkpoint_uri="./runs").metadata
+    assert odd["elastic_ft.rdzv_backend"] == "other" and odd["elastic_ft.checkpoint_scheme"] == "other"
+    assert odd["elastic_ft.run_id"] == "" and odd["elastic_ft.rdzv_endpoint"] == ""
