@@ -141,6 +141,7 @@ def build(
     environment values, only bash expands the command line.
     """
     check(app, cfg)
+    # rank0_env: array children have no main node; check() refused any use of the macro.
     role = macros.Values(img_root="", app_id=name, replica_id=ARRAY_INDEX, rank0_env="").apply(app.roles[0])
     role.env[stock.ENV_TORCHX_ROLE_IDX] = "0"
     role.env[stock.ENV_TORCHX_ROLE_NAME] = role.name
