@@ -18,8 +18,11 @@ Exit status of a node (its torchrun), for a scheduler's retry rules:
   {"onStatusReason": "Host EC2*", "action": "RETRY"}, {"onReason": "*",
   "action": "EXIT"}]}`` resubmit a node that left on a notice (75) or whose
   host was reclaimed before it could (the status reason then starts with
-  "Host EC2"), and fail on anything else. torchx's ``aws_batch`` scheduler
-  retries every nonzero exit up to ``max_restarts`` times.
+  "Host EC2"), and fail on anything else. ``torchx run -s aws_batch
+  elastic_ft.train`` submits exactly that (:mod:`elastic_ft.batch`: an array
+  job of single-node containers, rules in :mod:`elastic_ft.batch.retry`); for
+  other apps torchx's own ``aws_batch`` scheduler still retries every nonzero
+  exit up to ``max_restarts`` times.
 - 1: the workers failed more than ``max_restarts`` times, or the agent failed.
 - 2 is a worker's status for a user error (bad spec, URI, data); torchrun
   reports it as a failure (1).
@@ -185,7 +188,46 @@ def train(
                 max_retries=max_restarts,
             )
         ],
+        metadata=_app_metadata(lo, hi, rdzv_backend, rdzv_endpoint, checkpoint_uri, run_id),
     )
+
+
+MARKER = "elastic_ft.component"
+"""The AppDef metadata key that marks an app as :func:`train`'s (value ``"train"``).
+
+The other ``elastic_ft.*`` keys are the facts a scheduler checks without
+parsing the bash line (``elastic_ft.batch`` does). torchx's aws_batch and
+aws_sagemaker schedulers copy metadata into AWS tags, so every value is
+tag-safe: at most 256 characters of letters, digits, spaces and ``_.:/=+-@``.
+"""
+
+_TAG_SAFE = re.compile(r"^[A-Za-z0-9 _.:/=+@-]{0,256}$")
+
+
+def _app_metadata(
+    lo: int,
+    hi: int,
+    rdzv_backend: str,
+    rdzv_endpoint: Optional[str],
+    checkpoint_uri: str,
+    run_id: Optional[str],
+) -> Dict[str, str]:
+    """The AppDef's metadata: the marker and the structured facts, each value tag-safe.
+
+    The checkpoint URI itself may hold any character S3 keys allow, so only its
+    scheme is kept; a backend name that is not tag-safe is kept as ``"other"``.
+    """
+    scheme = checkpoint_uri.partition("://")[0] if "://" in checkpoint_uri else ""
+    return {
+        MARKER: "train",
+        "elastic_ft.min_nodes": str(lo),
+        "elastic_ft.max_nodes": str(hi),
+        "elastic_ft.rdzv_backend": rdzv_backend if _TAG_SAFE.match(rdzv_backend) else "other",
+        "elastic_ft.rdzv_endpoint": "given" if rdzv_endpoint else "",
+        "elastic_ft.checkpoint_scheme": scheme if scheme.isalnum() else "other",
+        # check_name keeps run ids to letters, digits, '.', '_' and '-', at most 128.
+        "elastic_ft.run_id": run_id or "",
+    }
 
 
 def _check_arguments(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_ft import faults, goodput
+from elastic_ft.batch.identity import batch_node
 from elastic_ft.checkpoint.cache import CachedStore
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
@@ -317,6 +318,7 @@ class Trainer:
             dataset_size=len(self.data),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), spec=self.spec.name,
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(), **goodput.start_fields(),
+            **({"node": node} if (node := batch_node()) else {}),  # array index, attempt on AWS Batch
         )
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)

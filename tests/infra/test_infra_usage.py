@@ -13,6 +13,7 @@ import shlex
 import pytest
 
 from conftest import AWS, REPO, load_template
+from elastic_ft.batch.request import problems
 from elastic_ft.components import train
 from elastic_ft.config import load_spec
 from elastic_ft.rendezvous.options import KNOWN_OPTIONS
@@ -96,3 +97,25 @@ def test_readme_run_command_uses_the_stack_outputs_and_prefixes():
     assert f"--checkpoint_uri s3://elastic-ft-example/{checkpoints}" in argv
     user = load_template("etcd")["Outputs"]["TrainingUser"]["Value"]
     assert f"user={user}," in argv
+
+
+def test_readme_run_command_gives_the_nodes_the_etcd_secrets_the_image_reads():
+    """The -cfg of the README's command passes the scheduler's checks and names the variables the
+    rendezvous (password_env) and the image's entrypoint (the CA) read."""
+    argv = _torchx_run()
+    cfg = dict(item.split("=", 1) for item in argv[argv.index("-cfg") + 1].split(","))
+    # What the shell makes of $(out STACK OUTPUT): an ARN.
+    cfg = {k: re.sub(r"\$\(out \S+ (\w+)\)", r"arn:aws:ssm:us-east-1:123456789012:parameter/\1", v)
+           for k, v in cfg.items()}
+    cfg["secrets"] = cfg["secrets"].split(";")
+    names = {item.split(":", 1)[0] for item in cfg["secrets"]}
+    conf = dict(item.split("=", 1) for item in _component_args(argv)["rdzv_conf"].split(","))
+    entrypoint = (AWS / "entrypoint.sh").read_text()
+    assert conf["password_env"] in names
+    assert {name for name in names if f"${{{name}" in entrypoint} == {"ELASTIC_FT_ETCD_CA_PEM"}
+    args = _component_args(argv)
+    app = train(
+        nnodes=args["nnodes"], run_id=args["run_id"], checkpoint_uri=args["checkpoint_uri"],
+        rdzv_backend=args["rdzv_backend"], rdzv_endpoint=args["rdzv_endpoint"], rdzv_conf=args["rdzv_conf"],
+    )
+    assert problems(app, cfg) == []

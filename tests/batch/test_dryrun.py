@@ -1,0 +1,144 @@
+"""``torchx run -s aws_batch elastic_ft.train --nnodes 2:8 --dryrun`` plans an array of single-node containers."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import torchx
+from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_APPNAME, TAG_TORCHX_USER, TAG_TORCHX_VER
+
+from elastic_ft.batch.request import ArrayJobRequest
+from elastic_ft.components import train
+from tests.batch.conftest import CHECKPOINTS, ETCD, RUN_ID, dryrun, scheduler_request, torchx as torchx_cli, train_args
+from tests.conftest import explain
+
+LINE = (
+    f"torchrun --rdzv_backend etcd3 --rdzv_endpoint {ETCD} --rdzv_id {RUN_ID} --nnodes 2:8 "
+    f"--nproc_per_node 2 --max_restarts 3 -m elastic_ft.worker --spec specs/tiny-lora.yaml "
+    f"--checkpoint_uri {CHECKPOINTS} --run_id {RUN_ID} steps=5"
+)
+RULES = [
+    {"onStatusReason": "Host EC2*", "action": "RETRY"},
+    {"onExitCode": "75", "action": "RETRY"},
+    {"onExitCode": "0", "action": "EXIT"},
+    {"onReason": "*", "action": "EXIT"},
+]
+MNP_WORDS = ["multinode", "nodeProperties", "AWS_BATCH_JOB_NODE_INDEX", "AWS_BATCH_JOB_MAIN_NODE", "targetNodes"]
+
+
+def test_nnodes_2_8_is_an_array_of_8_single_node_containers():
+    request = dryrun(train_args()).request
+    assert isinstance(request, ArrayJobRequest)
+    definition, submit = request.job_definition, request.submit_job
+    assert definition["type"] == "container"
+    assert submit["arrayProperties"] == {"size": 8}
+    assert request.queue == submit["jobQueue"] == "q"
+    assert request.name.startswith(f"elastic-ft-{RUN_ID}-")
+    assert definition["jobDefinitionName"] == submit["jobName"] == submit["jobDefinition"] == request.name
+    assert definition["retryStrategy"] == submit["retryStrategy"] == {"attempts": 10, "evaluateOnExit": RULES}
+    assert request.images_to_push == {}
+
+
+def test_the_container_runs_torchrun_on_etcd3_with_the_run_id_and_s3_checkpoints():
+    container = dryrun(train_args()).request.job_definition["containerProperties"]
+    assert container["command"] == ["bash", "-c", LINE]
+    assert shlex.split(LINE)[shlex.split(LINE).index("--rdzv_endpoint") + 1] == ETCD
+    env = {e["name"]: e["value"] for e in container["environment"]}
+    name = dryrun(train_args()).request.name.rsplit("-", 1)[0]
+    assert env.pop("TORCHX_JOB_ID").startswith(f"aws_batch://torchx/{name}-")
+    assert env == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
+        "TORCHX_ROLE_IDX": "0", "TORCHX_ROLE_NAME": "trainer",
+    }
+    assert container["resourceRequirements"] == [{"type": "VCPU", "value": "2"}, {"type": "MEMORY", "value": "8192"}]
+    assert container["image"] == torchx.IMAGE
+    assert container["logConfiguration"] == {"logDriver": "awslogs"}
+
+
+def test_no_multinode_macros_ports_or_instance_types():
+    """Batch runs EC2 container jobs on the host's network: the nodes meet at etcd, no port is mapped."""
+    request = dryrun(train_args(gpu="1")).request
+    text = json.dumps([request.job_definition, request.submit_job])
+    for word in [*MNP_WORDS, "portMappings", "instanceType", "${", "rank0"]:
+        assert word not in text, word
+
+
+def test_tags_let_torchx_list_find_the_job():
+    tags = dryrun(train_args(), user="alice").request.submit_job["tags"]
+    assert tags == {
+        TAG_TORCHX_VER: torchx.__version__, TAG_TORCHX_APPNAME: f"elastic-ft-{RUN_ID}", TAG_TORCHX_USER: "alice",
+        "elastic_ft.component": "train", "elastic_ft.run_id": RUN_ID,
+    }
+    assert dryrun(train_args()).request.submit_job["propagateTags"] is True
+
+
+def test_one_node_is_a_plain_container_job():
+    request = dryrun(train_args(nnodes="1")).request
+    assert request.job_definition["type"] == "container"
+    assert "arrayProperties" not in request.submit_job
+    assert "--nnodes 1 " in request.job_definition["containerProperties"]["command"][2]
+
+
+def test_replicas_size_the_array_and_gpu_memory_resources():
+    request = dryrun(train_args(replicas="3", gpu="1", memMB="28000", cpu="3")).request
+    assert request.submit_job["arrayProperties"] == {"size": 3}
+    assert "--nnodes 2:8 " in request.job_definition["containerProperties"]["command"][2]
+    assert request.job_definition["containerProperties"]["resourceRequirements"] == [
+        {"type": "VCPU", "value": "3"}, {"type": "MEMORY", "value": "28000"}, {"type": "GPU", "value": "1"},
+    ]
+
+
+def test_run_options_attempts_roles_and_share():
+    request = dryrun(
+        train_args(), attempts=4, share_id="teamA", priority=7,
+        job_role_arn="arn:aws:iam::1:role/job", execution_role_arn="arn:aws:iam::1:role/exec",
+    ).request
+    assert request.submit_job["retryStrategy"]["attempts"] == 4
+    assert request.submit_job["shareIdentifier"] == "teamA"
+    assert request.submit_job["schedulingPriorityOverride"] == 7
+    assert request.name.startswith(f"elastic-ft-{RUN_ID}-teamA-")
+    container = request.job_definition["containerProperties"]
+    assert container["jobRoleArn"] == "arn:aws:iam::1:role/job"
+    assert container["executionRoleArn"] == "arn:aws:iam::1:role/exec"
+
+
+def test_secrets_come_from_arns_not_values():
+    password = "arn:aws:secretsmanager:us-east-1:1:secret:etcd-AbC"
+    ca = "arn:aws:ssm:us-east-1:1:parameter/eft/ca"
+    request = dryrun(train_args(), secrets=[f"ELASTIC_FT_ETCD_PASSWORD:{password}", f"ELASTIC_FT_ETCD_CA_PEM:{ca}"]).request
+    assert request.job_definition["containerProperties"]["secrets"] == [
+        {"name": "ELASTIC_FT_ETCD_PASSWORD", "valueFrom": password},
+        {"name": "ELASTIC_FT_ETCD_CA_PEM", "valueFrom": ca},
+    ]
+    assert "secrets" not in dryrun(train_args()).request.job_definition["containerProperties"]
+
+
+def test_job_names_keep_to_batch_alphabet():
+    request = dryrun(train_args(run_id="llama.8b_" + "x" * 119)).request
+    assert len(request.name) <= 128
+    assert set(request.name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def test_cli_dryrun_prints_the_exact_requests():
+    proc = torchx_cli("run", "-s", "aws_batch", "--dryrun", "-cfg", "queue=q", "elastic_ft.train", *train_args())
+    assert proc.returncode == 0, explain(proc)
+    calls = scheduler_request(proc.stdout)
+    assert set(calls) == {"register_job_definition", "submit_job"}
+    assert calls["register_job_definition"]["type"] == "container"
+    assert calls["register_job_definition"]["containerProperties"]["command"] == ["bash", "-c", LINE]
+    assert calls["submit_job"]["arrayProperties"] == {"size": 8}
+    assert calls["submit_job"]["retryStrategy"]["evaluateOnExit"] == RULES
+
+
+def test_component_marks_its_app_with_tag_safe_facts():
+    meta = train(nnodes="2:8", run_id=RUN_ID, checkpoint_uri="s3://b/ä?x", rdzv_backend="etcd3",
+                 rdzv_endpoint=ETCD).metadata
+    assert meta == {
+        "elastic_ft.component": "train", "elastic_ft.min_nodes": "2", "elastic_ft.max_nodes": "8",
+        "elastic_ft.rdzv_backend": "etcd3", "elastic_ft.rdzv_endpoint": "given",
+        "elastic_ft.checkpoint_scheme": "s3", "elastic_ft.run_id": RUN_ID,
+    }
+    odd = train(rdzv_backend="my$backend;", checkpoint_uri="./runs").metadata
+    assert odd["elastic_ft.rdzv_backend"] == "other" and odd["elastic_ft.checkpoint_scheme"] == "other"
+    assert odd["elastic_ft.run_id"] == "" and odd["elastic_ft.rdzv_endpoint"] == ""
