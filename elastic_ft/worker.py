@@ -69,7 +69,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"elastic_ft: error: {exc}", file=sys.stderr)
         return 2
     except Preempted as exc:
-        print(f"elastic_ft: preempted: {exc}", file=sys.stderr)
+        print(f"elastic_ft: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except Exception as exc:
         lost = collective_failure(exc)

@@ -89,9 +89,16 @@ class Preempted(Exception):
         if stays:
             super().__init__(f"other node(s) left on a {kind} notice at step {step}, state committed; this node "
                              f"goes on in a new round from step {step + 1}")
+        elif kind == "sigterm":
+            # A worker cannot tell why SIGTERM came: its agent sends it when the node is stopped
+            # (container stop, TerminateJob) and also when it only restarts its workers for a node
+            # that joins. "preempted" would be wrong for the second.
+            super().__init__(f"stopped by SIGTERM at step {step}, state committed (torchrun restarts its workers "
+                             f"this way when a node joins; a container stop sends it too); the next start resumes "
+                             f"at step {step + 1}")
         else:
-            super().__init__(f"left on a {kind} notice at step {step}, state committed; running the same command "
-                             f"again resumes at step {step + 1}")
+            super().__init__(f"preempted: left on a {kind} notice at step {step}, state committed; running the "
+                             f"same command again resumes at step {step + 1}")
 
 
 def most_urgent(notices: list[Notice]) -> Notice | None:

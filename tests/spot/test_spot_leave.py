@@ -22,6 +22,7 @@ from elastic_ft.spot.leave import (
     write_marker,
 )
 from elastic_ft.spot.watcher import LEVEL_LEAVE, LEVEL_NONE, LEVEL_REBALANCE
+from elastic_ft.train.preemption import Preempted
 
 
 def test_a_node_leaves_when_any_of_its_ranks_holds_a_leave_notice():
@@ -98,3 +99,11 @@ def test_only_a_torchrun_worker_of_the_agent_named_in_the_path_writes_the_marker
     assert marker_for_worker(dict(worker, TORCHELASTIC_RUN_ID="run.2"), os.getpid()) is None
     assert marker_for_worker({"TORCHELASTIC_RUN_ID": "run.1"}, os.getpid()) is None
     assert marker_for_worker(dict(worker, **{LEAVE_FILE_ENV: "/tmp/x.json"}), os.getpid()) is None
+
+
+def test_a_worker_stopped_by_sigterm_does_not_call_itself_preempted():
+    # torchrun also SIGTERMs its workers to restart them for a node that joins: no spot reclaim.
+    assert str(Preempted(9, "sigterm")).startswith("stopped by SIGTERM at step 9, state committed")
+    assert "preempted" not in str(Preempted(9, "sigterm")) and "step 10" in str(Preempted(9, "sigterm"))
+    assert str(Preempted(9, "terminate")).startswith("preempted: left on a terminate notice at step 9")
+    assert str(Preempted(9, "sigterm", stays=True)).startswith("other node(s) left on a sigterm notice")

@@ -146,6 +146,6 @@ def test_sigterm_to_the_agent_commits_the_interrupted_step_and_a_rerun_resumes_a
     proc.send_signal(signal.SIGTERM)  # what a container stop (Batch TerminateJob) sends torchrun
     first = finish(proc)
     assert first.returncode != 0, explain(first)
-    assert "elastic_ft: preempted: left on a sigterm notice at step" in first.stderr, explain(first)
+    assert "elastic_ft: stopped by SIGTERM at step" in first.stderr, explain(first)
     assert "SIGKILL" not in first.stderr, explain(first)
     check_left_and_resumed(run_root, "sigterm", "sigterm", imds.url)
