@@ -3,6 +3,13 @@
 Events are what a person plots or greps after a run: start, resume plan,
 rescale, checkpoint committed, step metrics, end. Each is one line, so a
 crashed run's file is still valid up to its last event.
+
+Each worker start that writes a run's events begins an *attempt* (its
+``start`` event), numbered from 1 in the order of the file; the trainer puts
+``attempt`` in every event, so a step trained again after a restart is told
+apart from its first try. torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot do
+that: an agent does not count a restart for a change of membership (a node
+lost or joined), and a replacement node's agent counts from 0.
 """
 
 from __future__ import annotations
@@ -45,6 +52,30 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_START = '"event": "start"'  # as json.dumps writes it (EventLog.emit)
+
+
+def next_attempt(path: str) -> int:
+    """The number of the attempt that starts now: one more than the ``start`` events already in ``path``.
+
+    1 for a file not there yet. Lines are matched as text before being
+    parsed, so a long run's file (ledger events) is read quickly.
+    """
+    try:
+        with open(path) as f:
+            starts = sum(1 for line in f if _START in line and _event_of(line) == "start")
+    except FileNotFoundError:
+        return 1
+    return starts + 1
+
+
+def _event_of(line: str) -> str | None:
+    try:
+        return json.loads(line).get("event")
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def read_events(path: str) -> list[dict]:
