@@ -5,7 +5,8 @@
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
-  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, or the run's)
+  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
+                                    directory, URI or id)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 """
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, default=None)
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
-    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir) or the run directory")
+    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
+                                    "(file:// or s3://, as for ckpt ls) or its id")
     gp.set_defaults(func=_goodput)
     return p
 

@@ -10,6 +10,11 @@ Each worker start that writes a run's events begins an *attempt* (its
 apart from its first try. torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot do
 that: an agent does not count a restart for a change of membership (a node
 lost or joined), and a replacement node's agent counts from 0.
+
+Where a run's events go (:func:`events_dir`) depends on the run, not on the
+working directory a command happens to run in: with a ``file://`` checkpoint
+URI, in the run's own directory beside its checkpoints; with ``s3://``, in a
+directory of this machine named after the run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger("elastic_ft.events")
@@ -52,6 +58,34 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def local_runs_root(environ: Mapping[str, str] | None = None) -> str:
+    """This machine's directory of runs whose checkpoints are not on a filesystem:
+    ``$XDG_CACHE_HOME/elastic_ft/runs`` (``~/.cache/elastic_ft/runs``), beside the input cache."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "elastic_ft", "runs")
+
+
+def events_dir(checkpoint_uri: str, run_id: str, *, template: str | None = None,
+               environ: Mapping[str, str] | None = None) -> str:
+    """The directory of a run's ``events.jsonl``.
+
+    ``template`` (the spec's ``logging.dir``), when set, with ``{run_id}``
+    substituted (relative to the working directory). Otherwise the run's
+    directory's ``logs/`` for a ``file://`` checkpoint URI (or a plain path):
+    ``<path>/<run_id>/logs``, beside the checkpoints (relative when the URI's
+    path is, as the checkpoints are); for any other scheme (``s3://``),
+    :func:`local_runs_root` ``/<run_id>/logs``. Raises what
+    :func:`~elastic_ft.checkpoint.store.check_uri` raises for a bad URI.
+    """
+    from elastic_ft.checkpoint.store import check_uri
+
+    if template is not None:
+        return template.format(run_id=run_id)
+    path = check_uri(checkpoint_uri)
+    return os.path.join(path if path is not None else local_runs_root(environ), run_id, "logs")
 
 
 _START = '"event": "start"'  # as json.dumps writes it (EventLog.emit)
