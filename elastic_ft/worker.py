@@ -22,7 +22,7 @@ from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.events import events_dir
 from elastic_ft.names import name_problem
 from elastic_ft.spot.imds import EndpointError
-from elastic_ft.train.data import DataError
+from elastic_ft.train.datafiles import DataError  # not train.data: it imports torch, and --help must not
 from elastic_ft.train.departure import collective_failure
 from elastic_ft.train.scaling import BatchPlanError
 
