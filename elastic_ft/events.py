@@ -1,4 +1,4 @@
-"""Structured events: one JSON line per event, in ``events.jsonl`` and in the log.
+"""Structured events: one JSON line per event in ``events.jsonl``, one short human line in the log.
 
 Events are what a person plots or greps after a run: start, resume plan,
 rescale, checkpoint committed, step metrics, end. Each is one line, so a
@@ -51,13 +51,45 @@ class EventLog:
                 self._file.write(line + "\n")
         if not quiet:
             # Other ranks' events duplicate the leader's: keep them for debugging only.
-            log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", line)
+            log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", console_line(record))
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_NOT_SHOWN = ("ts", "event", "run_id", "attempt")  # on every event; the console's own timestamp is there
+
+
+def console_line(record: dict) -> str:
+    """The short line a person watching the console reads for an event (the file keeps the whole record).
+
+    The events a run always has read as sentences; any other shows its
+    scalar fields (lists and mappings, such as a ledger's samples, stay in
+    the file).
+    """
+    e, name = record, record.get("event")
+    if name == "start":
+        return (f"start: attempt {e.get('attempt')} of run {e.get('run_id')}, world {e.get('world')}, "
+                f"{e.get('total_steps')} steps")
+    if name == "resume_plan":
+        return f"resume: {e.get('reason')}"
+    if name == "rescale":
+        changed = ", ".join(f"{k} {v.get('old')} -> {v.get('new')}" for k, v in (e.get("changed") or {}).items())
+        return f"rescale at step {e.get('step')}: {changed} ({e.get('reason')})"
+    if name == "checkpoint_committed":
+        size = e.get("bytes")
+        return (f"checkpoint at step {e.get('step')} committed ({e.get('reason')}): "
+                f"{f'{size:,}' if isinstance(size, int) else size} bytes in {e.get('seconds')} s")
+    fields = [f"{k} {_scalar(v)}" for k, v in e.items()
+              if k not in _NOT_SHOWN and v is not None and not isinstance(v, (dict, list, tuple))]
+    return f"{name}: {', '.join(fields)}"
+
+
+def _scalar(v: Any) -> str:
+    return f"{v:.5g}" if isinstance(v, float) else str(v)
 
 
 def local_runs_root(environ: Mapping[str, str] | None = None) -> str:
