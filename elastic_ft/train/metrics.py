@@ -1,10 +1,10 @@
 """Step metrics: the loss, throughput and ETA of finished steps, as events and progress lines.
 
 A step's time is taken when it ends (``t_end``), not when it is reported, so a
-plot of its events against time has no staircase. Losses are token-weighted over the whole world and reduced in one collective
-per reporting interval, not per step, which keeps the metric off the step's
-critical path. Every rank reports the same steps at the same points, since the
-reduction is a collective.
+plot of its events against time has no staircase. Losses are token-weighted
+over the whole world and reduced in one collective per reporting interval, not
+per step, which keeps the metric off the step's critical path. Every rank
+reports the same steps at the same points, since the reduction is a collective.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Metrics:
         self.last_loss = loss
         eta = r.eta_s
         self.events.emit(
-            "step", quiet=True, step=r.step, t_end=round(r.t_end, 3), loss=round(loss, 6), lr=r.lr,
+            "step", quiet=True, step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
             tokens=r.tokens, tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size,
             eta_s=round(eta, 1) if math.isfinite(eta) else None,
         )
