@@ -5,9 +5,13 @@
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
-  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, or the run's)
+  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
+                                    directory, URI or id)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
+
+Only what a command needs is imported when it runs (torch for train and
+export), so ``--help`` and the checkpoint commands answer quickly.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import sys
 import time
 
+from elastic_ft import __version__
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
@@ -28,9 +33,10 @@ def _ls(args) -> int:
 
     store = open_store(args.uri)
     infos = list_manifests(store)
-    if not infos:
-        print(f"{args.uri}: no committed checkpoints")
-        return 0
+    if not infos:  # a typo'd URI must not read as an empty but healthy run
+        print(f"elastic-ft: no committed checkpoints at {args.uri} (a run's location is <checkpoint_uri>/<run_id>)",
+              file=sys.stderr)
+        return 1
     print(f"{'step':>8}  {'committed (UTC)':<20} {'size':>12}  {'world':>5}  manifest")
     for info in infos:
         try:
@@ -186,20 +192,22 @@ def _in_range(field: str, kind: type):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-ft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run the job in this process (torchrun runs one per rank)")
     add_run_arguments(t)
     t.set_defaults(func=run_from_args)
     ck = sub.add_parser("ckpt", help="inspect a run's checkpoints").add_subparsers(dest="ckpt", required=True)
-    ls = ck.add_parser("ls", help="list committed checkpoints")
-    ls.add_argument("uri")
+    uri_help = "the run's location: file:///abs/runs/RUN_ID, file://./runs/RUN_ID or s3://bucket/prefix/RUN_ID"
+    ls = ck.add_parser("ls", help="list committed checkpoints (exit 1 if there are none)")
+    ls.add_argument("uri", help=uri_help)
     ls.set_defaults(func=_ls)
     v = ck.add_parser("verify", help="re-hash every blob of the newest (or --step) checkpoint")
-    v.add_argument("uri")
-    v.add_argument("--step", type=int, default=None)
+    v.add_argument("uri", help=uri_help)
+    v.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     v.set_defaults(func=_verify)
     g = ck.add_parser("gc", help="delete checkpoints past retention and orphan blobs")
-    g.add_argument("uri")
+    g.add_argument("uri", help=uri_help)
     g.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     # The same ranges as the spec's checkpoint section: --keep-last -5 used to delete all but the newest.
     g.add_argument("--keep-last", type=_in_range("checkpoint.keep_last", int), default=3,
@@ -210,12 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds before an orphan blob may be deleted (a save in flight has young orphans)")
     g.set_defaults(func=_gc)
     e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
-    e.add_argument("uri")
-    e.add_argument("--out", required=True)
-    e.add_argument("--step", type=int, default=None)
+    e.add_argument("uri", help=uri_help)
+    e.add_argument("--out", required=True, help="directory to write (created if missing; may exist)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
-    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir) or the run directory")
+    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
+                                    "(file:// or s3://, as for ckpt ls) or its id")
     gp.set_defaults(func=_goodput)
     return p
 

@@ -148,7 +148,7 @@ def train(
         memMB: memory per node in MB
         h: a named host type (scheduler specific), instead of cpu/gpu/memMB
         env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
-        log_dir: directory of events.jsonl (default: the spec's logging.dir, runs/RUN_ID/logs)
+        log_dir: directory of events.jsonl (default: the spec's logging.dir, else the run's directory's logs/ for a file:// checkpoint_uri, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)
     """
     lo, hi = _check_arguments(
         nnodes=nnodes,

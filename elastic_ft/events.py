@@ -1,8 +1,20 @@
-"""Structured events: one JSON line per event, in ``events.jsonl`` and in the log.
+"""Structured events: one JSON line per event in ``events.jsonl``, one short human line in the log.
 
 Events are what a person plots or greps after a run: start, resume plan,
 rescale, checkpoint committed, step metrics, end. Each is one line, so a
 crashed run's file is still valid up to its last event.
+
+Each worker start that writes a run's events begins an *attempt* (its
+``start`` event), numbered from 1 in the order of the file; the trainer puts
+``attempt`` in every event, so a step trained again after a restart is told
+apart from its first try. torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot do
+that: an agent does not count a restart for a change of membership (a node
+lost or joined), and a replacement node's agent counts from 0.
+
+Where a run's events go (:func:`events_dir`) depends on the run, not on the
+working directory a command happens to run in: with a ``file://`` checkpoint
+URI, in the run's own directory beside its checkpoints; with ``s3://``, in a
+directory of this machine named after the run.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger("elastic_ft.events")
@@ -38,13 +51,97 @@ class EventLog:
                 self._file.write(line + "\n")
         if not quiet:
             # Other ranks' events duplicate the leader's: keep them for debugging only.
-            log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", line)
+            log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", console_line(record))
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_NOT_SHOWN = ("ts", "event", "run_id", "attempt")  # on every event; the console's own timestamp is there
+
+
+def console_line(record: dict) -> str:
+    """The short line a person watching the console reads for an event (the file keeps the whole record).
+
+    The events a run always has read as sentences; any other shows its
+    scalar fields (lists and mappings, such as a ledger's samples, stay in
+    the file).
+    """
+    e, name = record, record.get("event")
+    if name == "start":
+        return (f"start: attempt {e.get('attempt')} of run {e.get('run_id')}, world {e.get('world')}, "
+                f"{e.get('total_steps')} steps")
+    if name == "resume_plan":
+        return f"resume: {e.get('reason')}"
+    if name == "rescale":
+        changed = ", ".join(f"{k} {v.get('old')} -> {v.get('new')}" for k, v in (e.get("changed") or {}).items())
+        return f"rescale at step {e.get('step')}: {changed} ({e.get('reason')})"
+    if name == "checkpoint_committed":
+        size = e.get("bytes")
+        return (f"checkpoint at step {e.get('step')} committed ({e.get('reason')}): "
+                f"{f'{size:,}' if isinstance(size, int) else size} bytes in {e.get('seconds')} s")
+    fields = [f"{k} {_scalar(v)}" for k, v in e.items()
+              if k not in _NOT_SHOWN and v is not None and not isinstance(v, (dict, list, tuple))]
+    return f"{name}: {', '.join(fields)}"
+
+
+def _scalar(v: Any) -> str:
+    return f"{v:.5g}" if isinstance(v, float) else str(v)
+
+
+def local_runs_root(environ: Mapping[str, str] | None = None) -> str:
+    """This machine's directory of runs whose checkpoints are not on a filesystem:
+    ``$XDG_CACHE_HOME/elastic_ft/runs`` (``~/.cache/elastic_ft/runs``), beside the input cache."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "elastic_ft", "runs")
+
+
+def events_dir(checkpoint_uri: str, run_id: str, *, template: str | None = None,
+               environ: Mapping[str, str] | None = None) -> str:
+    """The directory of a run's ``events.jsonl``.
+
+    ``template`` (the spec's ``logging.dir``), when set, with ``{run_id}``
+    substituted (relative to the working directory). Otherwise the run's
+    directory's ``logs/`` for a ``file://`` checkpoint URI (or a plain path):
+    ``<path>/<run_id>/logs``, beside the checkpoints (relative when the URI's
+    path is, as the checkpoints are); for any other scheme (``s3://``),
+    :func:`local_runs_root` ``/<run_id>/logs``. Raises what
+    :func:`~elastic_ft.checkpoint.store.check_uri` raises for a bad URI.
+    """
+    from elastic_ft.checkpoint.store import check_uri
+
+    if template is not None:
+        return template.format(run_id=run_id)
+    path = check_uri(checkpoint_uri)
+    return os.path.join(path if path is not None else local_runs_root(environ), run_id, "logs")
+
+
+_START = '"event": "start"'  # as json.dumps writes it (EventLog.emit)
+
+
+def next_attempt(path: str) -> int:
+    """The number of the attempt that starts now: one more than the ``start`` events already in ``path``.
+
+    1 for a file not there yet. Lines are matched as text before being
+    parsed, so a long run's file (ledger events) is read quickly.
+    """
+    try:
+        with open(path) as f:
+            starts = sum(1 for line in f if _START in line and _event_of(line) == "start")
+    except FileNotFoundError:
+        return 1
+    return starts + 1
+
+
+def _event_of(line: str) -> str | None:
+    try:
+        return json.loads(line).get("event")
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def read_events(path: str) -> list[dict]:

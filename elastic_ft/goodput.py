@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping
 
 CATEGORIES = ("kept", "redone", "checkpoint", "restart", "loading")
 LABELS = {
@@ -187,14 +188,25 @@ def start_fields() -> dict:
             "agent_start": process_start_time(os.getppid()) if under_torchrun else None}
 
 
-def find_events(path: str) -> str:
-    """The events file of ``path``: the file itself, a log directory holding it, or a run directory's logs/.
+def find_events(path: str, environ: Mapping[str, str] | None = None) -> str:
+    """The events file of ``path``: the file itself, a log directory holding it, a run directory's logs/,
+    a run's checkpoint URI (where :func:`~elastic_ft.events.events_dir` puts its events by default), or
+    a run id (its directory under the default ``--checkpoint_uri``, ``runs/``, or under
+    :func:`~elastic_ft.events.local_runs_root`).
 
     Raises FileNotFoundError naming what was looked for.
     """
+    from elastic_ft.events import events_dir, local_runs_root
+
+    if "://" in path:
+        uri = path.rstrip("/")
+        parent, _, run_id = uri.rpartition("/")
+        path = os.path.dirname(events_dir(parent, run_id, environ=environ))  # the run's directory
     candidates = [path, os.path.join(path, "events.jsonl"), os.path.join(path, "logs", "events.jsonl")]
+    if "/" not in path and not os.path.exists(path):  # a run id
+        candidates += [os.path.join(root, path, "logs", "events.jsonl") for root in ("runs", local_runs_root(environ))]
     for c in candidates:
         if os.path.isfile(c):
             return c
     raise FileNotFoundError(f"no events.jsonl at {path!r} (looked for {', '.join(candidates[1:])}); name the file, "
-                            f"its directory (the spec's logging.dir) or the run directory")
+                            f"its directory (the spec's logging.dir), the run directory, the run's URI or its id")

@@ -19,9 +19,10 @@ import sys
 from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
+from elastic_ft.events import events_dir
 from elastic_ft.names import name_problem
 from elastic_ft.spot.imds import EndpointError
-from elastic_ft.train.data import DataError
+from elastic_ft.train.datafiles import DataError  # not train.data: it imports torch, and --help must not
 from elastic_ft.train.departure import collective_failure
 from elastic_ft.train.scaling import BatchPlanError
 
@@ -44,7 +45,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "letters, digits, '.', '_', '-', at most 128 characters")
     p.add_argument("--checkpoint_uri", "--checkpoint-uri", default="file://./runs",
                    help="where run directories live: file:///abs/dir, file://./rel/dir or s3://bucket/prefix")
-    p.add_argument("--log_dir", "--log-dir", default=None, help="events.jsonl directory (default: the spec's logging.dir)")
+    p.add_argument("--log_dir", "--log-dir", default=None, help="events.jsonl directory (default: the spec's logging.dir, else the run's directory's logs/ for a "
+                        "file:// checkpoint URI, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)")
     p.add_argument("overrides", nargs="*", help="spec overrides, e.g. optimizer.lr=3e-4 steps=200")
 
 
@@ -63,7 +65,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         check_uri(args.checkpoint_uri)  # as typed, before any work: joined with the run id it reads garbled
         spec = load_spec(args.spec, args.overrides)
         run_id = args.run_id or spec.name
-        log_dir = args.log_dir or spec.logging.dir.format(run_id=run_id)
+        log_dir = args.log_dir or events_dir(args.checkpoint_uri, run_id, template=spec.logging.dir)
         run(spec, RunOptions(run_id=run_id, checkpoint_uri=args.checkpoint_uri, log_dir=log_dir))
     except USER_ERRORS + (RunAborted,) as exc:
         print(f"elastic_ft: error: {exc}", file=sys.stderr)

@@ -176,8 +176,10 @@ class SpotConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class LoggingConfig:
-    dir: str = "runs/{run_id}/logs"
-    """Directory of events.jsonl; ``{run_id}`` is substituted; relative to the working directory."""
+    dir: str | None = None
+    """Directory of events.jsonl; ``{run_id}`` is substituted; relative to the working directory. Null: the
+    run's directory's ``logs/`` for a ``file://`` checkpoint URI (``<path>/<run_id>/logs``), else (``s3://``)
+    ``$XDG_CACHE_HOME/elastic_ft/runs/<run_id>/logs`` (``~/.cache/...``). ``--log_dir`` overrides it."""
     every_steps: int = 1
     """Progress line every N steps."""
     ledger: bool = False

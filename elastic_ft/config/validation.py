@@ -37,7 +37,7 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need((spec.steps is None) != (spec.epochs is None), "steps", "set exactly one of steps and epochs")
     problem = name_problem(spec.name) if check_files else None
     need(problem is None, "name", f"{problem} (it is the default run id)")
-    need(_only_run_id_placeholder(spec.logging.dir), "logging.dir",
+    need(spec.logging.dir is None or _only_run_id_placeholder(spec.logging.dir), "logging.dir",
          f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}

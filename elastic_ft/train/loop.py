@@ -36,7 +36,7 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
-from elastic_ft.events import EventLog
+from elastic_ft.events import EventLog, next_attempt
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure
@@ -71,9 +71,10 @@ class Trainer:
         self.spec, self.opts, self.world = spec, opts, world
         imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
-        self.events = EventLog(
-            os.path.join(opts.log_dir, "events.jsonl") if world.is_leader else None, run_id=opts.run_id
-        )
+        events_path = os.path.join(opts.log_dir, "events.jsonl")
+        # Every event names its attempt, so a step redone after a restart is told from its first try.
+        attempt = broadcast_from_leader(world, next_attempt(events_path) if world.is_leader else None)
+        self.events = EventLog(events_path if world.is_leader else None, run_id=opts.run_id, attempt=attempt)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
@@ -322,7 +323,7 @@ class Trainer:
         )
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
-        self.metrics.start(self.step)
+        self.metrics.start()
         try:
             while self.step < self.total_steps:
                 self.preemption.at_boundary(self)  # raises Preempted after committing, on a notice
@@ -363,6 +364,7 @@ class Trainer:
         t0 = time.monotonic()
         result = self.train_step()
         result.seconds = self.last_step_s = time.monotonic() - t0
+        result.t_end = time.time()  # reported later, in a batch: the plot needs when it ended
         if self.world.is_leader:  # every step, reported or not yet: goodput needs the steps a kill cuts off too
             self.events.emit("step_done", quiet=True, step=result.step, seconds=round(result.seconds, 4))
         self.metrics.add(result)

@@ -1,9 +1,10 @@
 """Step metrics: the loss, throughput and ETA of finished steps, as events and progress lines.
 
-Losses are token-weighted over the whole world and reduced in one collective
-per reporting interval, not per step, which keeps the metric off the step's
-critical path. Every rank reports the same steps at the same points, since the
-reduction is a collective.
+A step's time is taken when it ends (``t_end``), not when it is reported, so a
+plot of its events against time has no staircase. Losses are token-weighted
+over the whole world and reduced in one collective per reporting interval, not
+per step, which keeps the metric off the step's critical path. Every rank
+reports the same steps at the same points, since the reduction is a collective.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class StepResult:
     seconds: float = float("nan")
     skipped: str | None = None
     """Why the update was skipped (a non-finite gradient), or None."""
+    t_end: float = float("nan")
+    """Wall-clock time (epoch seconds) the step ended."""
+    eta_s: float = float("nan")
+    """Seconds left to the run's last step, estimated when the step ended (NaN: unknown yet)."""
 
     @property
     def loss(self) -> float:
@@ -52,14 +57,19 @@ class Metrics:
         self.last_loss: float | None = None
         """The global loss of the newest reported (not skipped) step; None before any."""
         self._unreported: list[StepResult] = []
-        self.start_step, self.t_start = 0, time.monotonic()
+        self.t_start = time.monotonic()
+        self._first: tuple[int, float] | None = None
+        """(step, end time) of the first step since the (re)start: the ETA's origin."""
 
-    def start(self, step: int) -> None:
-        """The run (re)starts training at ``step`` now: the ETA counts from here."""
-        self.start_step, self.t_start = step, time.monotonic()
+    def start(self) -> None:
+        """The run (re)starts training now: the ETA counts from its first step's end."""
+        self.t_start, self._first = time.monotonic(), None
 
     def add(self, result: StepResult) -> None:
         """Queue a finished step; report the queue every ``logging.every_steps`` steps and at the last."""
+        if self._first is None:
+            self._first = (result.step, result.t_end)
+        result.eta_s = eta_seconds(*self._first, result.step, result.t_end, self.total_steps)
         self._unreported.append(result)
         if result.step % self.every_steps == 0 or result.step == self.total_steps:
             self.flush()
@@ -90,17 +100,33 @@ class Metrics:
             return  # its step_skipped event was emitted when it happened
         loss = r.loss
         self.last_loss = loss
-        done = max(1, r.step - self.start_step)
-        eta = (time.monotonic() - self.t_start) / done * (self.total_steps - r.step)
+        eta = r.eta_s
         self.events.emit(
-            "step", quiet=True, step=r.step, loss=round(loss, 6), lr=r.lr, tokens=r.tokens,
-            tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size, eta_s=round(eta, 1),
+            "step", quiet=True, step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
+            tokens=r.tokens, tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size,
+            eta_s=round(eta, 1) if math.isfinite(eta) else None,
         )
         if w.is_leader and (r.step % self.every_steps == 0 or r.step == self.total_steps):
             log.info(
                 "step %d/%d | loss %.4f | lr %.2e | %s tok/s | world %d | eta %s", r.step, self.total_steps,
                 loss, r.lr, f"{r.tokens / r.seconds:,.0f}", w.size, fmt_eta(eta),
             )
+
+
+def eta_seconds(first_step: int, first_end: float, step: int, end: float, total_steps: int) -> float:
+    """Seconds to ``total_steps``: the mean time per step since the (re)start, times the steps left.
+
+    The mean runs from the end of the attempt's first step (``first_step``,
+    ended at ``first_end``) to the end of ``step`` (at ``end``), so neither
+    start-up and loading nor the first step (warm-up, a slow first batch)
+    count, while the checkpoints and other work between steps do. NaN until a
+    second step of the attempt has ended; 0 at the last step.
+    """
+    if step >= total_steps:
+        return 0.0
+    if step <= first_step:
+        return float("nan")
+    return (end - first_end) / (step - first_step) * (total_steps - step)
 
 
 def number(x: float) -> float | str:

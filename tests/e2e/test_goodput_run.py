@@ -28,6 +28,15 @@ def test_killed_and_resumed_run_accounts_for_its_wall_time(run_root):
     assert len(starts) == 2 and all(s["process_start"] and s["agent_start"] for s in starts)
     result = attribute(events)
     assert result.attempts == 2
+    # Plotted as they are: each event names its attempt, so a step trained in both is two points, not one.
+    assert [s["attempt"] for s in starts] == [1, 2]
+    done = {(e["attempt"], e["step"]): e["ts"] for e in events if e["event"] == "step_done"}
+    assert {s for a, s in done if a == 1} & {s for a, s in done if a == 2}, "no step was redone"
+    # A step event, written in a batch at a flush, still carries the time its step ended.
+    steps = [e for e in events if e["event"] == "step"]
+    assert len({(e["attempt"], e["step"]) for e in steps}) == len(steps) >= 6
+    assert all(abs(e["t_end"] - done[e["attempt"], e["step"]]) < 0.05 for e in steps)
+    assert len({e["t_end"] for e in steps}) == len(steps)
     assert sum(result.seconds.values()) == pytest.approx(result.wall)
     assert result.wall == pytest.approx(events[-1]["ts"] - starts[0]["agent_start"])
     # Every category is there: a kept and a lost step, the final flush, the gap, the start-ups.

@@ -26,11 +26,11 @@ def main_job(tmp_path_factory):
     proc = run([os.path.join(BIN, "torchx"), "run", "-s", "local_cwd", "elastic_ft.train"], timeout=600, cwd=str(cwd))
     assert proc.returncode == 0, explain(proc)
     root = cwd / "runs"  # checkpoint_uri default file://./runs, run_id default: the spec's name
-    return root, read_events(str(root / "tiny-lora" / "logs" / "events.jsonl"))
+    return root, read_events(str(root / "tiny-lora" / "logs" / "events.jsonl")), proc.stdout + proc.stderr
 
 
 def test_default_job_completes_with_two_ranks_and_learns(main_job):
-    _root, events = main_job
+    _root, events, _ = main_job
     start = next(e for e in events if e["event"] == "start")
     assert start["world"] == 2 and start["total_steps"] == 100
     steps = [e for e in events if e["event"] == "step"]
@@ -42,8 +42,14 @@ def test_default_job_completes_with_two_ranks_and_learns(main_job):
     assert events[-1]["event"] == "end" and events[-1]["step"] == 100
 
 
+def test_console_shows_progress_lines_not_json(main_job):
+    _root, _, console = main_job
+    assert "step 100/100 | loss" in console and "start: attempt 1 of run tiny-lora, world 2" in console
+    assert '{"ts"' not in console, "raw JSON events reached the console (they belong in events.jsonl)"
+
+
 def test_ckpt_ls_and_verify(main_job):
-    root, _ = main_job
+    root, _, _ = main_job
     uri = f"file://{root}/tiny-lora"
     ls = cli("ckpt", "ls", uri)
     assert ls.returncode == 0, explain(ls)
@@ -58,7 +64,7 @@ def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root, _ = main_job
+    root, _, _ = main_job
     out = tmp_path / "adapter"
     proc = cli("export", f"file://{root}/tiny-lora", "--out", str(out))
     assert proc.returncode == 0, explain(proc)
