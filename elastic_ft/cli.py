@@ -5,6 +5,7 @@
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
+  elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
   elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, or the run's)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 
+from elastic_ft.doctor.command import add_parser as add_doctor  # argparse only: the checks import lazily
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
     gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir) or the run directory")
     gp.set_defaults(func=_goodput)
+    add_doctor(sub)
     return p
 
 
