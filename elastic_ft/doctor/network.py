@@ -116,11 +116,11 @@ def interface_result(var: str, value: str, found: Mapping[str, bool]) -> Result:
     missing = [i for i in items if not any(_matches(i, n, nccl) for n in found)]
     if missing:
         return Result("FAIL", var, f"{var}={value!r}: no interface {', '.join(missing)} on this node", fix)
-    down = [n for n, up in found.items() if not up and any(_matches(i, n, nccl) for i in items)]
-    if down and len(down) == sum(any(_matches(i, n, nccl) for i in items) for n in found):
-        return Result("FAIL", var, f"{var}={value!r}: {', '.join(down)} is down", fix)
-    return Result("PASS", var, f"{var}={value!r}: " + ", ".join(
-        n for n, up in found.items() if up and any(_matches(i, n, nccl) for i in items)) + " up")
+    matched = [n for n in found if any(_matches(i, n, nccl) for i in items)]
+    up = [n for n in matched if found[n]]
+    if not up:
+        return Result("FAIL", var, f"{var}={value!r}: {', '.join(matched)} is down", fix)
+    return Result("PASS", var, f"{var}={value!r}: {', '.join(up)} up")
 
 
 def check_interfaces(environ: Mapping[str, str], multi_node: bool) -> list[Result]:
@@ -172,7 +172,10 @@ def master_port_result(port: int, free: bool, master: str | None, problem: str |
 
 
 def check_master_port(environ: Mapping[str, str]) -> Result:
-    port = int(environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+    text = environ.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        return Result("FAIL", "master_port", f"MASTER_PORT={text!r} is not a port", "set it to 1..65535, or unset it")
+    port = int(text)
     free = port_free(port)
     master = environ.get("MASTER_ADDR")
     problem = None if free or not master else reachable(master, port)

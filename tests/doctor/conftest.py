@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.checkpoint.s3_servers import MotoServer, S3Endpoint
+from tests.checkpoint.s3_servers import MotoServer, S3Endpoint, SeaweedServer
 from tests.rendezvous.etcd_server import ROOT_PASSWORD, EtcdServer, make_tls_files
 from tests.spot.imds_server import FakeImds
 
@@ -59,6 +59,14 @@ def etcd_tls(tmp_path_factory, tls_files):
 def moto() -> S3Endpoint:
     server = MotoServer()
     endpoint = server.start()  # proves that a second IfNoneMatch='*' put answers 412
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory) -> S3Endpoint:
+    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweedfs")))
+    endpoint = server.start()  # proves conditional puts too
     yield endpoint
     server.stop()
 

@@ -85,3 +85,7 @@ def test_master_port_free_passes_and_taken_warns():
         assert taken.status == "WARN" and str(port) in taken.found
         reached = network.check_master_port({"MASTER_PORT": str(port), "MASTER_ADDR": "127.0.0.1"})
         assert reached.status == "PASS"
+
+
+def test_master_port_that_is_not_a_port_fails():
+    assert network.check_master_port({"MASTER_PORT": "abc"}).status == "FAIL"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import email.utils
 import os
 
+import pytest
+
 from elastic_ft.checkpoint.store import open_store
 from elastic_ft.doctor import storage
 
@@ -22,9 +24,11 @@ def test_s3_endpoint_ignoring_conditional_writes_fails_and_cleans_up(s3_env, ign
     assert "/bucket/runs/r1/.doctor/" in ignoring_s3.puts[0][0]
 
 
-def test_real_s3_honouring_if_none_match_passes_and_leaves_nothing(s3_env, moto):
-    s3_env(moto.endpoint_url, moto.access_key, moto.secret_key)
-    uri = f"s3://{moto.bucket}/doctor/r1"
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_real_s3_honouring_if_none_match_passes_and_leaves_nothing(s3_env, server, request):
+    s3 = request.getfixturevalue(server)
+    s3_env(s3.endpoint_url, s3.access_key, s3.secret_key)
+    uri = f"s3://{s3.bucket}/doctor/r1"
     probe = storage.probe_store(uri)
     assert storage.store_result(probe).status == "PASS", storage.store_result(probe).line()
     assert storage.clock_result(probe.server_date, probe.local_time).status == "PASS"
