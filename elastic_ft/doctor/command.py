@@ -15,14 +15,12 @@ from typing import Callable, Iterator
 from elastic_ft.doctor.report import Result, exit_code
 
 
-def max_nodes(text: str | None) -> int | None:
-    """The maximum of ``--nnodes`` ``N`` or ``MIN:MAX``; None when not given."""
-    if text is None:
-        return None
+def max_nodes(text: str) -> int:
+    """The maximum of ``--nnodes`` ``N`` or ``MIN:MAX`` (an argparse type: the message follows the flag)."""
     try:
         return int(text.rpartition(":")[2])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--nnodes {text!r} must be N or MIN:MAX") from None
+        raise argparse.ArgumentTypeError(f"{text!r} must be N or MIN:MAX") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--rdzv_conf", "--rdzv-conf", default=None, help="k=v,... as given to torchrun (TLS, user, ...)")
     d.add_argument("--run_id", "--run-id", default=None, help="the run's id (versions and scratch objects live under it)")
     d.add_argument("--checkpoint_uri", "--checkpoint-uri", default=None, help="file:///dir or s3://bucket/prefix")
-    d.add_argument("--nnodes", default=None, help="N or MIN:MAX as for torchrun (default: assume several nodes)")
+    d.add_argument("--nnodes", type=max_nodes, default=None, help="N or MIN:MAX as for torchrun (default: assume several nodes)")
     d.add_argument("--post", action="store_true", help="post this node's versions for the run (a few minutes' lease)")
     d.add_argument("--hostname", default=None, help="check this name instead of this node's hostname")
     d.set_defaults(func=run)
@@ -41,8 +39,7 @@ def checks(args: argparse.Namespace, environ: dict[str, str]) -> Iterator[Result
     """Every check's result, in order; each is produced (and printed) before the next starts."""
     from elastic_ft.doctor import ec2, network
 
-    nodes = max_nodes(args.nnodes)
-    multi = nodes is None or nodes > 1
+    multi = args.nnodes is None or args.nnodes > 1
     yield network.check_hostname(args.hostname, multi)
     yield from network.check_interfaces(environ, multi)
     yield from _rendezvous(args, environ)

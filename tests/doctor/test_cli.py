@@ -66,3 +66,8 @@ def test_the_subcommand_module_imports_nothing_heavy():
     code = "import sys, elastic_ft.doctor.command; print(sorted(m for m in ('torch', 'boto3', 'grpc') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=process_env(), capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_bad_nnodes_is_refused_by_argparse():
+    proc = _doctor("--nnodes", "two")
+    assert proc.returncode == 2 and "argument --nnodes: 'two' must be N or MIN:MAX" in proc.stderr
