@@ -36,7 +36,7 @@ def hostname_result(hostname: str, addresses: Sequence[str], multi_node: bool) -
     """Decide from the addresses ``hostname`` resolved to whether peers can reach this node by it."""
     name = "hostname"
     if not multi_node:
-        return Result("SKIP", name, f"{hostname} -> {', '.join(addresses) or 'nothing'}; single node (nnodes max 1)")
+        return Result("SKIP", name, f"{hostname} -> {', '.join(addresses) or 'nothing'}; not checked: the job runs on one machine")
     if not addresses:
         return Result("FAIL", name, f"{hostname!r} does not resolve on this node",
                       f"add '<this node's private IP> {hostname}' to /etc/hosts or to DNS")
@@ -131,7 +131,7 @@ def check_interfaces(environ: Mapping[str, str], multi_node: bool) -> list[Resul
         return out
     why = "gloo/NCCL use the interface the hostname resolves to (see the hostname check)"
     return [Result("SKIP", "interface", f"neither {' nor '.join(IFACE_VARS)} is set; {why}"
-                   + ("" if multi_node else "; single node"))]
+                   + ("" if multi_node else "; the job runs on one machine"))]
 
 
 def reachable(host: str, port: int, timeout_s: float = 2.0) -> str | None:
