@@ -5,6 +5,7 @@
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
+  elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
   elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
                                     directory, URI or id)
 
@@ -23,6 +24,7 @@ import sys
 import time
 
 from elastic_ft import __version__
+from elastic_ft.doctor.command import add_parser as add_doctor  # argparse only: the checks import lazily
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
@@ -226,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
                                     "(file:// or s3://, as for ckpt ls) or its id")
     gp.set_defaults(func=_goodput)
+    add_doctor(sub)
     return p
 
 

@@ -158,6 +158,10 @@ class ImdsClient:
         body = self._read(REBALANCE_PATH)
         return None if body is None else parse_rebalance(body)
 
+    def metadata(self, path: str) -> str | None:
+        """Any metadata document, e.g. ``/latest/meta-data/instance-type``; None if absent (404)."""
+        return self._read(path)
+
     def token(self) -> str:
         """The session token, fetched anew when less than a tenth of its TTL (at most a minute) is left."""
         margin = min(60.0, self.token_ttl_s / 10)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import kv, watch
+from . import kv, watch, wire
 from .failover import Failover, Outage
 from .kv import KeyValue
 from .lease import Lease
@@ -70,6 +70,11 @@ class EtcdClient:
     def close(self) -> None:
         """Close the connection; the client reconnects if used again."""
         self._failover.drop(failover=False)
+
+    def server_version(self) -> str:
+        """The etcd version of the member in use (etcd's Maintenance/Status call), e.g. ``3.4.30``."""
+        request = wire.message("StatusRequest")
+        return self._failover.call("status", lambda s: str(s.call(wire.STATUS, request).version))
 
     # -- key/value -------------------------------------------------------------
 

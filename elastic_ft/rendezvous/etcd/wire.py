@@ -78,6 +78,8 @@ _MESSAGES: dict[str, list[tuple[str, ...]]] = {
                                 ("grantedTTL", 4, "int64")],
     "AuthenticateRequest": [("name", 1, "string"), ("password", 2, "string")],
     "AuthenticateResponse": [_HEADER, ("token", 2, "string")],
+    "StatusRequest": [],
+    "StatusResponse": [_HEADER, ("version", 2, "string"), ("dbSize", 3, "int64"), ("leader", 4, "uint64")],
 }
 
 _SCALARS = ("bytes", "int64", "uint64", "bool", "string")
@@ -105,6 +107,7 @@ LEASE_TIME_TO_LIVE = Method(
     "/etcdserverpb.Lease/LeaseTimeToLive", "LeaseTimeToLiveRequest", "LeaseTimeToLiveResponse"
 )
 AUTHENTICATE = Method("/etcdserverpb.Auth/Authenticate", "AuthenticateRequest", "AuthenticateResponse")
+STATUS = Method("/etcdserverpb.Maintenance/Status", "StatusRequest", "StatusResponse")
 
 
 def _file_descriptor() -> Any:
