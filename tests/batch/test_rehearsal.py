@@ -29,10 +29,10 @@ from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.cursor import take
-from tests.checkpoint.s3_servers import SeaweedServer, aws_env
+from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
-from tests.rendezvous.etcd_server import EtcdServer
+from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [
@@ -84,22 +84,6 @@ def batch_action(plan: PlannedJob, attempt: int, *, exit_code: int | None, statu
     strategy = plan.retry_strategy
     return str(decide(strategy["evaluateOnExit"], exit_code=exit_code, status_reason=status_reason, reason=None,
                       attempt=attempt, attempts=strategy["attempts"]))
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory):
-    """S3 for the checkpoints: SeaweedFS checks signatures, so the children must use the credentials given."""
-    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweedfs")))
-    endpoint = server.start()
-    yield endpoint
-    server.stop()
 
 
 @pytest.fixture

@@ -29,10 +29,11 @@ from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
-from tests.checkpoint.s3_servers import SeaweedServer, aws_env
+from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.rendezvous.etcd_server import EtcdServer
+from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [
@@ -49,22 +50,6 @@ LEAVE_ACTIONS = ("checkpoint_and_leave", "flush_and_leave")
 def in_two_minutes() -> str:
     when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory):
-    """A real S3 server (SeaweedFS: checks signatures and Content-MD5) for the checkpoints."""
-    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweedfs")))
-    endpoint = server.start()
-    yield endpoint
-    server.stop()
 
 
 @pytest.fixture
