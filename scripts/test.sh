@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -ra "$@"
+# --durations: CI's log names the slowest tests, where the ~30 min budget goes.
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"
