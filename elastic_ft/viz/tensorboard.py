@@ -56,24 +56,35 @@ class TensorBoardSink:
         self.log_dir = log_dir
         self._writer = None
         self._warned = False
+        self._summary_writer = None
+        try:
+            # Imported here, while the trainer builds (about 2 s), not at the resume, where the other ranks wait.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # the spec checked the package is there: a broken install
+            self._warn(exc)
+        else:
+            self._summary_writer = SummaryWriter
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            log.warning("TensorBoard: cannot write to %s (%s: %s); training goes on, events.jsonl has every "
+                        "event", self.log_dir, type(exc).__name__, exc)
+            self._warned = True
 
     def _open(self, purge_step: int | None):
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when the spec asks
-
         if self._writer is not None:
             self._writer.close()
         # Flushed every 10 s (TensorBoard's default is 120): a killed attempt loses little, a watcher waits little.
-        self._writer = SummaryWriter(self.log_dir, purge_step=purge_step, flush_secs=10)
+        self._writer = self._summary_writer(self.log_dir, purge_step=purge_step, flush_secs=10)
         return self._writer
 
     def write(self, record: dict) -> None:
+        if self._summary_writer is None:
+            return
         try:
             self._write(record)
         except Exception as exc:  # TensorBoard is a view of the run: never the reason it stops
-            if not self._warned:
-                log.warning("TensorBoard: cannot write to %s (%s: %s); training goes on, events.jsonl has every "
-                            "event", self.log_dir, type(exc).__name__, exc)
-                self._warned = True
+            self._warn(exc)
 
     def _write(self, record: dict) -> None:
         name = record.get("event")

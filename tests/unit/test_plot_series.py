@@ -96,6 +96,23 @@ def test_a_run_with_no_step_yet_has_empty_series():
     assert (s.step, s.segments, s.marks, s.attempts) == ([], [], [], 1)
 
 
+def test_the_figure_draws_the_series_and_a_line_at_each_preemption_rescale_and_restart(tmp_path):
+    from elastic_ft.viz.figure import draw, render
+
+    s = run_series(preempted_and_rescaled())
+    fig = draw(s, width=900, height=600)
+    by_step, by_time = fig.axes[:2]
+    for ax, at in ((by_step, "step"), (by_time, "t")):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for label, kind in (("preemption (spot notice)", "preempted"), ("node lost", "node_lost"),
+                            ("rescale", "rescale"), ("restart (new attempt)", "restart")):
+            assert list(lines[label].get_xdata()) == [getattr(m, at) for m in s.marks if m.kind == kind] * 2, label
+    redone = next(line for line in by_step.get_lines() if line.get_label().startswith("loss (a try lost"))
+    assert (list(redone.get_xdata()), list(redone.get_ydata())) == ([5], [4.3])
+    render(s, str(tmp_path / "run.png"), width=900, height=600)
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def write_events(path, events) -> str:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     return str(path)
