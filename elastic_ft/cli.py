@@ -8,6 +8,8 @@
   elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
   elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
                                     directory, URI or id)
+  elastic-ft plot RUN --out run.png loss and LR by step, tokens/s and world over time, with checkpoints,
+                                    preemptions and rescales marked (the plot extra: matplotlib)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 
@@ -25,6 +27,7 @@ import time
 
 from elastic_ft import __version__
 from elastic_ft.doctor.command import add_parser as add_doctor  # argparse only: the checks import lazily
+from elastic_ft.viz.figure import MissingExtra  # matplotlib itself is imported when a figure is drawn
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
@@ -110,6 +113,58 @@ def _goodput(args) -> int:
         raise ArgumentError(f"goodput: {path} has no start event: not a training run's events")
     print(f"{path}\n{result.table()}")
     return 0
+
+
+def _run_events(run: str, command: str) -> tuple[str, list[dict]]:
+    """Where RUN's events are and the events (RUN as ``goodput`` takes it); ArgumentError naming ``command``."""
+    from elastic_ft.events import read_events
+    from elastic_ft.goodput import find_events
+
+    try:
+        path = find_events(run)
+    except FileNotFoundError as exc:
+        raise ArgumentError(f"{command}: {exc}") from None
+    events = read_events(path)
+    if not any(e.get("event") == "start" for e in events):
+        raise ArgumentError(f"{command}: {path} has no start event: not a training run's events")
+    return path, events
+
+
+def _plot(args) -> int:
+    from elastic_ft.viz.figure import render
+    from elastic_ft.viz.series import run_series
+
+    problem = out_file_problem(args.out)
+    if problem:
+        raise ArgumentError(f"plot --out {problem}")
+    path, events = _run_events(args.run, "plot")
+    series = run_series(events)
+    render(series, args.out, width=args.width, height=args.height)
+    kinds = [m.kind for m in series.marks]
+    marked = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "nothing marked"
+    print(f"wrote {args.out} ({args.width}x{args.height}): {len(series.step)} steps, {series.attempts} attempt(s), "
+          f"{marked}; from {path}")
+    return 0
+
+
+def out_file_problem(out: str) -> str | None:
+    """Why ``out`` cannot be written as a file (a directory, or its directory missing), or None."""
+    if os.path.isdir(out):
+        return f"{out!r} is a directory; name the PNG file to write, e.g. {os.path.join(out, 'run.png')!r}"
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        return f"{out!r} cannot be written: its directory {parent!r} does not exist"
+    return None
+
+
+def _pixels(text: str) -> int:
+    """An argparse type: a figure side in pixels."""
+    from elastic_ft.bounds import Bound, parse_number
+
+    try:
+        return int(parse_number(text, int, Bound(200, 10000)))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class ArgumentError(ValueError):
@@ -228,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
                                     "(file:// or s3://, as for ckpt ls) or its id")
     gp.set_defaults(func=_goodput)
+    pl = sub.add_parser("plot", help="a PNG of the run: loss and LR by step, tokens/s and world over time, with "
+                                     "checkpoints, preemptions and rescales marked")
+    pl.add_argument("run", help="as for goodput: events.jsonl, its directory, the run directory, the run's URI or id")
+    pl.add_argument("--out", required=True, help="the PNG file to write (its directory must exist)")
+    pl.add_argument("--width", type=_pixels, default=1200, help="width in pixels (default 1200)")
+    pl.add_argument("--height", type=_pixels, default=800, help="height in pixels (default 800)")
+    pl.set_defaults(func=_plot)
     add_doctor(sub)
     return p
 
@@ -236,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except USER_ERRORS + (ArgumentError,) as exc:
+    except USER_ERRORS + (ArgumentError, MissingExtra) as exc:
         print(f"elastic-ft: error: {exc}", file=sys.stderr)
         return 2
 

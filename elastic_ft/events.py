@@ -25,18 +25,27 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("elastic_ft.events")
 
 
+class Sink(Protocol):
+    """Where else an :class:`EventLog` sends each record (TensorBoard): must not raise, nor block for long."""
+
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class EventLog:
-    """Appends events to ``path`` (None: log only, e.g. on ranks other than 0)."""
+    """Appends events to ``path`` (None: log only, e.g. on ranks other than 0), and passes them to its sinks."""
 
     def __init__(self, path: str | None, **common: Any) -> None:
         self.path = path
         self.common = common
         self._file = None
+        self._sinks: list[Sink] = []
         self._lock = threading.Lock()  # the checkpoint thread emits too
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -49,12 +58,23 @@ class EventLog:
         with self._lock:
             if self._file is not None:
                 self._file.write(line + "\n")
+            for sink in self._sinks:  # under the lock: a sink sees the records in the file's order
+                sink.write(record)
         if not quiet:
             # Other ranks' events duplicate the leader's: keep them for debugging only.
             log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", console_line(record))
         return record
 
+    def add_sink(self, sink: Sink) -> None:
+        """Pass every record emitted from now on to ``sink`` too; :meth:`close` closes it."""
+        with self._lock:
+            self._sinks.append(sink)
+
     def close(self) -> None:
+        with self._lock:
+            sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
         if self._file is not None:
             self._file.close()
             self._file = None

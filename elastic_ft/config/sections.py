@@ -184,6 +184,10 @@ class LoggingConfig:
     """Progress line every N steps."""
     ledger: bool = False
     """Log the sample ids of every step as events, to prove exactly-once consumption."""
+    tensorboard: bool = False
+    """Also write the step metrics (loss, lr, tokens/s, world), checkpoints, rescales and preemptions for
+    TensorBoard, from the leader, into ``<events dir>/tensorboard`` (the ``tensorboard`` extra:
+    ``pip install 'elastic-ft[tensorboard]'``)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from elastic_ft.config.limits import LIMITS
 from elastic_ft.config.sections import JobSpec
 from elastic_ft.inputs.uri import has_scheme, uri_problem
 from elastic_ft.names import name_problem
+from elastic_ft.viz.tensorboard import missing as tensorboard_missing
 
 
 def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]]:
@@ -39,6 +40,8 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(problem is None, "name", f"{problem} (it is the default run id)")
     need(spec.logging.dir is None or _only_run_id_placeholder(spec.logging.dir), "logging.dir",
          f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
+    if spec.logging.tensorboard and check_files:  # the machine that trains needs the package, not an exporter
+        need((missing := tensorboard_missing()) is None, "logging.tensorboard", str(missing))
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the

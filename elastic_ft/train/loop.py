@@ -53,6 +53,7 @@ from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
     RunAborted, World, broadcast_from_leader, close_world, gather_from_all, init_world, sum_over_ranks,
 )
+from elastic_ft.viz.tensorboard import TensorBoardSink
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class Trainer:
         # Every event names its attempt, so a step redone after a restart is told from its first try.
         attempt = broadcast_from_leader(world, next_attempt(events_path) if world.is_leader else None)
         self.events = EventLog(events_path if world.is_leader else None, run_id=opts.run_id, attempt=attempt)
+        if spec.logging.tensorboard and world.is_leader:
+            self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))

@@ -9,21 +9,11 @@ import pytest
 
 from elastic_ft.events import read_events
 from elastic_ft.goodput import CATEGORIES, LABELS, attribute
-from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
+from tests.conftest import cli, explain
 
 
-def test_killed_and_resumed_run_accounts_for_its_wall_time(run_root):
-    logs = os.path.join(run_root, "run", "logs")
-    args = ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{run_root}", "--log_dir", logs,
-            "steps=6", "checkpoint.every_steps=2", "logging.every_steps=3"]
-    # Rank 1 SIGKILLs itself after 5 steps: at most step 4 is committed, so step 5 at least is trained again.
-    first = torchrun(2, args, env=process_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                                              ELASTIC_FT_FAULTS="kill:rank=1,step=5"))
-    assert first.returncode != 0, "the injected kill did not stop the first attempt"
-    second = torchrun(2, args)
-    assert second.returncode == 0, explain(second)
-
-    events = read_events(os.path.join(logs, "events.jsonl"))
+def test_killed_and_resumed_run_accounts_for_its_wall_time(resumed_run):
+    events = read_events(os.path.join(resumed_run, "logs", "events.jsonl"))
     starts = [e for e in events if e["event"] == "start"]
     assert len(starts) == 2 and all(s["process_start"] and s["agent_start"] for s in starts)
     result = attribute(events)
@@ -42,7 +32,7 @@ def test_killed_and_resumed_run_accounts_for_its_wall_time(run_root):
     # Every category is there: a kept and a lost step, the final flush, the gap, the start-ups.
     assert all(result.seconds[c] > 0 for c in CATEGORIES), result.seconds
 
-    out = cli("goodput", os.path.join(run_root, "run"))
+    out = cli("goodput", resumed_run)
     assert out.returncode == 0, explain(out)
     printed = {c: float(re.search(rf"^{re.escape(LABELS[c])}\s+([\d.]+)", out.stdout, re.M).group(1))
                for c in CATEGORIES}
