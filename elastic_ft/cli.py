@@ -6,8 +6,11 @@
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
   elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
-  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
-                                    directory, URI or id)
+  elastic-ft goodput RUN            where a run's wall time went (RUN: the run's URI, whose store's events/ are
+                                    read, or events.jsonl, its directory, the run's directory or its id)
+  elastic-ft events URI [--event NAME ...]   the run's events from its store, merged and ordered (JSON lines)
+  elastic-ft status URI [--rdzv_endpoint H:P] the run at a glance: steps, checkpoint, world, interruptions,
+                                    goodput, tokens/s, ETA
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 
@@ -25,6 +28,7 @@ import time
 
 from elastic_ft import __version__
 from elastic_ft.doctor.command import add_parser as add_doctor  # argparse only: the checks import lazily
+from elastic_ft.runevents.commands import add_parsers as add_run_event_commands  # argparse only, too
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
 
@@ -98,17 +102,17 @@ def _gc(args) -> int:
 
 
 def _goodput(args) -> int:
-    from elastic_ft.events import read_events
-    from elastic_ft.goodput import attribute, find_events
+    from elastic_ft.goodput import attribute
+    from elastic_ft.runevents.load import load_run_events
 
     try:
-        path = find_events(args.run)
+        source, events = load_run_events(args.run)
     except FileNotFoundError as exc:
         raise ArgumentError(f"goodput: {exc}") from None
-    result = attribute(read_events(path))
+    result = attribute(events)
     if not result.attempts:
-        raise ArgumentError(f"goodput: {path} has no start event: not a training run's events")
-    print(f"{path}\n{result.table()}")
+        raise ArgumentError(f"goodput: {source} has no start event: not a training run's events")
+    print(f"{source}\n{result.table()}")
     return 0
 
 
@@ -225,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
-    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
-                                    "(file:// or s3://, as for ckpt ls) or its id")
+    gp.add_argument("run", help="the run's URI (file:// or s3://, as for ckpt ls: its store's events/, else the local "
+                                "events.jsonl), events.jsonl, the directory holding it (logging.dir), the run directory "
+                                "or its id")
     gp.set_defaults(func=_goodput)
+    add_run_event_commands(sub)
     add_doctor(sub)
     return p
 

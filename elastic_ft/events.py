@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 log = logging.getLogger("elastic_ft.events")
@@ -38,6 +38,7 @@ class EventLog:
         self.common = common
         self._file = None
         self._lock = threading.Lock()  # the checkpoint thread emits too
+        self._listeners: list[Callable[[dict], None]] = []
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             # Line-buffered append: a killed process loses at most the line in flight.
@@ -49,10 +50,16 @@ class EventLog:
         with self._lock:
             if self._file is not None:
                 self._file.write(line + "\n")
+            for listener in self._listeners:  # under the lock: they see the events in the file's order
+                listener(record)
         if not quiet:
             # Other ranks' events duplicate the leader's: keep them for debugging only.
             log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", console_line(record))
         return record
+
+    def subscribe(self, listener: Callable[[dict], None]) -> None:
+        """Call ``listener(record)`` with every event emitted from now on, in order (e.g. the store's shipper)."""
+        self._listeners.append(listener)
 
     def close(self) -> None:
         if self._file is not None:
