@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping
 
 from elastic_ft.checkpoint.store import ObjectStore
@@ -13,7 +14,10 @@ def read_store_events(store: ObjectStore) -> list[dict]:
     """Every event shipped to ``store`` (a run's location), merged (:func:`~elastic_ft.runevents.merge.merge`);
     [] when none was. Steps trained again are all there: see :func:`~elastic_ft.runevents.merge.latest_steps`."""
     keys = [o.key for o in store.list(PREFIX) if parse_batch_key(o.key) is not None]
-    return merge((k, bytes(store.get(k)).decode("utf-8", "replace")) for k in keys)
+    # One object per checkpoint interval: a long run has thousands, small; fetched side by side.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="events-read") as pool:
+        texts = list(pool.map(lambda k: bytes(store.get(k)).decode("utf-8", "replace"), keys))
+    return merge(zip(keys, texts))
 
 
 def load_run_events(run: str, environ: Mapping[str, str] | None = None) -> tuple[str, list[dict]]:

@@ -59,12 +59,16 @@ class Shipper:
         with self._lock:
             return len(self._pending)
 
-    def ship(self) -> str | None:
+    def ship(self, *, wait_s: float = -1) -> str | None:
         """Write the queued events as one object; its key, or None when none were queued.
 
-        Retries a :class:`StoreError` ``attempts`` times with backoff, then raises it.
+        Retries a :class:`StoreError` ``attempts`` times with backoff, then raises it. ``wait_s``
+        bounds the wait for a shipment in flight on another thread (-1: no bound); past it,
+        :class:`TimeoutError`.
         """
-        with self._shipping:
+        if not self._shipping.acquire(timeout=wait_s):
+            raise TimeoutError(f"another shipment of the run's events was still in flight after {wait_s:g} s")
+        try:
             for n in range(1, self.attempts + 1):
                 try:
                     return self._ship_once()
@@ -74,6 +78,8 @@ class Shipper:
                                          f"tries: {exc}") from exc
                     log.warning("shipping events: try %d failed (%s); retrying", n, exc)
                     time.sleep(self.backoff_s * 2 ** (n - 1))
+        finally:
+            self._shipping.release()
         return None  # not reached
 
     def _ship_once(self) -> str | None:
@@ -99,10 +105,13 @@ class Shipper:
         """The saver's hook between a checkpoint's blobs and its manifest: ship; raise if it cannot."""
         self.ship()
 
-    def ship_final(self) -> None:
-        """Best effort at the worker's end: ship what is queued; log, never raise."""
+    def ship_final(self, wait_s: float = 10.0) -> None:
+        """Best effort at the worker's end: ship what is queued; log, never raise.
+
+        A save stuck in its shipment (the saver gave up waiting for it) holds this one up ``wait_s`` at most.
+        """
         try:
-            self.ship()
+            self.ship(wait_s=wait_s)
         except Exception as exc:  # the run's outcome stands; its local events.jsonl keeps these
             log.warning("the last events of attempt %d were not shipped to %s: %s", self.attempt,
                         self.store.uri, exc)

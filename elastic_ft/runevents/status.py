@@ -76,10 +76,14 @@ def _interruptions(events: list[dict]) -> list[str]:
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     # An attempt whose last event is not a clean exit and that another attempt followed was killed or lost.
     cut = sum(1 for i, j in zip(starts, starts[1:]) if events[j - 1].get("event") not in _CLEAN_ENDS)
+    # A SIGTERM may be a stop or torchrun restarting the workers for a node that joins: not always a preemption.
+    sigterm = sum(1 for e in counts["preempted"] if e.get("notice") == "sigterm")
     lines = [f"attempts: {len(starts)}; rescales: {len(counts['rescale'])}; preemptions: "
-             f"{len(counts['preempted'])}; nodes lost: {len(counts['node_lost'])}; attempts cut short: {cut}"]
+             f"{len(counts['preempted']) - sigterm} (and {sigterm} exit(s) on SIGTERM); nodes lost: "
+             f"{len(counts['node_lost'])}; attempts cut short: {cut}"]
     for e in counts["preempted"][-3:]:
-        lines.append(f"  preempted at step {e.get('step')} ({e.get('notice')} notice), attempt {e.get('attempt')}")
+        lines.append(f"  left at step {e.get('step')} on a {e.get('notice')} notice (attempt {e.get('attempt')}), "
+                     f"state committed")
     for e in counts["node_lost"][-3:]:
         lines.append(f"  node lost: {e.get('reason')}; resumed after step {e.get('resume_after_step')} at world "
                      f"{e.get('world')} (attempt {e.get('attempt')})")

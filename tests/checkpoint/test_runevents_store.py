@@ -134,3 +134,18 @@ def test_s3_events_put_refused_fails_the_save_then_a_lost_reply_is_merged_once(s
         assert any(s.fault == "drop_after" for s in proxy.seen)
     finally:
         store.close()
+
+
+def test_the_last_shipment_never_raises_and_keeps_what_it_could_not_write(tmp_path, caplog):
+    from elastic_ft.checkpoint.local import LocalStore
+
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "events").write_text("a file where the events' directory should be")  # every put under it fails
+    shipper = Shipper(LocalStore(str(root)), 3, writer="w", attempts=2, backoff_s=0.01)
+    shipper.add({"ts": 1.0, "event": "end", "attempt": 3})
+    shipper.ship_final()
+    assert shipper.pending == 1 and "the last events of attempt 3 were not shipped" in caplog.text
+    (root / "events").unlink()
+    shipper.ship_final()
+    assert shipper.pending == 0 and [e["event"] for e in read_store_events(LocalStore(str(root)))] == ["end"]

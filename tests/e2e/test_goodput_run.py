@@ -95,5 +95,5 @@ def shipped_events_of_the_run_outlive_the_first_leaders_machine(run_root: str, l
     assert status.returncode == 0, explain(status)
     assert "steps: 6 of 6 (100.0 %); finished" in status.stdout, status.stdout
     assert re.search(r"^last checkpoint: step 6, committed \d+s ago", status.stdout, re.M), status.stdout
-    assert "attempts: 2; rescales: 0; preemptions: 0; nodes lost: 0; attempts cut short: 1" in status.stdout
+    assert "attempts: 2; rescales: 0; preemptions: 0 (and 0 exit(s) on SIGTERM); nodes lost: 0; attempts cut short: 1" in status.stdout
     assert "world: 2 rank(s)" in status.stdout and "ETA: done" in status.stdout

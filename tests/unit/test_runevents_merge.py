@@ -91,7 +91,7 @@ def test_status_reports_progress_checkpoint_world_losses_goodput_and_speed():
     assert "steps: 8 of 8 (100.0 %); finished" in text
     assert "last checkpoint: step 8, committed 1m30s ago" in text and "2 committed" in text
     assert "world: 1 rank(s)" in text
-    assert "attempts: 2; rescales: 0; preemptions: 0; nodes lost: 1; attempts cut short: 1" in text
+    assert "attempts: 2; rescales: 0; preemptions: 0 (and 0 exit(s) on SIGTERM); nodes lost: 1; attempts cut short: 1" in text
     assert "node lost: node 1 stopped heartbeating; resumed after step 4 at world 1 (attempt 2)" in text
     assert f"goodput: {100 * attribute(events).goodput:.1f} %" in text
     assert "tokens/s: 200 (mean of the last 8 steps); ETA: done" in text
@@ -110,3 +110,12 @@ def test_world_from_the_newest_rounds_assigned_ranks():
     assert world_from_keys(p, "r", keys, values) == LiveWorld(round=3, world=4, nodes=2)
     assert world_from_keys(p, "r", [f"{p}other"], {}) is None
     assert world_from_keys(p, "other-run", keys, values) is None
+
+
+def test_status_tells_spot_preemptions_from_exits_on_sigterm():
+    events = [_ev("start", 1, 0.0, world=2, total_steps=8), _ev("preempted", 1, 5.0, step=3, notice="terminate"),
+              _ev("start", 2, 9.0, world=1, total_steps=8), _ev("preempted", 2, 12.0, step=5, notice="sigterm"),
+              _ev("start", 3, 15.0, world=2, total_steps=8)]
+    text = "\n".join(summary("r", events, None, committed=0, now=20.0))
+    assert "preemptions: 1 (and 1 exit(s) on SIGTERM); nodes lost: 0; attempts cut short: 0" in text
+    assert "left at step 3 on a terminate notice (attempt 1), state committed" in text
