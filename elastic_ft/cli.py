@@ -6,10 +6,13 @@
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
   elastic-ft export URI --out DIR [--step N]
   elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
-  elastic-ft goodput RUN            where a run's wall time went (RUN: events.jsonl, its directory, the run's
-                                    directory, URI or id)
+  elastic-ft goodput RUN            where a run's wall time went (RUN: the run's URI, whose store's events/ are
+                                    read, or events.jsonl, its directory, the run's directory or its id)
+  elastic-ft events URI [--event NAME ...]   the run's events from its store, merged and ordered (JSON lines)
+  elastic-ft status URI [--rdzv_endpoint H:P] the run at a glance: steps, checkpoint, world, interruptions,
+                                    goodput, tokens/s, ETA
   elastic-ft plot RUN --out run.png loss and LR by step, tokens/s and world over time, with checkpoints,
-                                    preemptions and rescales marked (the plot extra: matplotlib)
+                                    preemptions and rescales marked (the plot extra: matplotlib; RUN as for goodput)
 
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 
@@ -27,6 +30,7 @@ import time
 
 from elastic_ft import __version__
 from elastic_ft.doctor.command import add_parser as add_doctor  # argparse only: the checks import lazily
+from elastic_ft.runevents.commands import add_parsers as add_run_event_commands  # argparse only, too
 from elastic_ft.viz.figure import MissingExtra  # matplotlib itself is imported when a figure is drawn
 from elastic_ft.worker import USER_ERRORS, add_run_arguments, run_from_args
 
@@ -101,33 +105,25 @@ def _gc(args) -> int:
 
 
 def _goodput(args) -> int:
-    from elastic_ft.events import read_events
-    from elastic_ft.goodput import attribute, find_events
+    from elastic_ft.goodput import attribute
 
-    try:
-        path = find_events(args.run)
-    except FileNotFoundError as exc:
-        raise ArgumentError(f"goodput: {exc}") from None
-    result = attribute(read_events(path))
-    if not result.attempts:
-        raise ArgumentError(f"goodput: {path} has no start event: not a training run's events")
-    print(f"{path}\n{result.table()}")
+    source, events = _run_events(args.run, "goodput")
+    print(f"{source}\n{attribute(events).table()}")
     return 0
 
 
 def _run_events(run: str, command: str) -> tuple[str, list[dict]]:
-    """Where RUN's events are and the events (RUN as ``goodput`` takes it); ArgumentError naming ``command``."""
-    from elastic_ft.events import read_events
-    from elastic_ft.goodput import find_events
+    """Where RUN's events are and the events (a URI's store ``events/``, else a local file); ArgumentError naming
+    ``command``. Every attempt's events, steps redone after a restart included: goodput counts them."""
+    from elastic_ft.runevents.load import load_run_events
 
     try:
-        path = find_events(run)
+        source, events = load_run_events(run)
     except FileNotFoundError as exc:
         raise ArgumentError(f"{command}: {exc}") from None
-    events = read_events(path)
     if not any(e.get("event") == "start" for e in events):
-        raise ArgumentError(f"{command}: {path} has no start event: not a training run's events")
-    return path, events
+        raise ArgumentError(f"{command}: {source} has no start event: not a training run's events")
+    return source, events
 
 
 def _plot(args) -> int:
@@ -280,12 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
-    gp.add_argument("run", help="events.jsonl, the directory holding it (logging.dir), the run directory, the run's URI "
-                                    "(file:// or s3://, as for ckpt ls) or its id")
+    gp.add_argument("run", help="the run's URI (file:// or s3://, as for ckpt ls: its store's events/, else the local "
+                                "events.jsonl), events.jsonl, the directory holding it (logging.dir), the run directory "
+                                "or its id")
     gp.set_defaults(func=_goodput)
+    add_run_event_commands(sub)
     pl = sub.add_parser("plot", help="a PNG of the run: loss and LR by step, tokens/s and world over time, with "
                                      "checkpoints, preemptions and rescales marked")
-    pl.add_argument("run", help="as for goodput: events.jsonl, its directory, the run directory, the run's URI or id")
+    pl.add_argument("run", help="as for goodput: the run's URI (its store's events/), events.jsonl, its directory, "
+                                "the run directory or its id")
     pl.add_argument("--out", required=True, help="the PNG file to write (its directory must exist)")
     pl.add_argument("--width", type=_pixels, default=1200, help="width in pixels (default 1200)")
     pl.add_argument("--height", type=_pixels, default=800, help="height in pixels (default 800)")

@@ -5,16 +5,21 @@ rescale, checkpoint committed, step metrics, end. Each is one line, so a
 crashed run's file is still valid up to its last event.
 
 Each worker start that writes a run's events begins an *attempt* (its
-``start`` event), numbered from 1 in the order of the file; the trainer puts
-``attempt`` in every event, so a step trained again after a restart is told
-apart from its first try. torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot do
-that: an agent does not count a restart for a change of membership (a node
-lost or joined), and a replacement node's agent counts from 0.
+``start`` event); the trainer puts ``attempt`` in every event, so a step
+trained again after a restart is told apart from its first try. The number is
+claimed in the run's checkpoint store (:mod:`elastic_ft.runevents`), starting
+from :func:`next_attempt` of this machine's file: a new leader may be on
+another machine, whose file knows nothing of the attempts before it. torchrun's
+``TORCHELASTIC_RESTART_COUNT`` cannot do that either: an agent does not count a
+restart for a change of membership (a node lost or joined), and a replacement
+node's agent counts from 0.
 
 Where a run's events go (:func:`events_dir`) depends on the run, not on the
 working directory a command happens to run in: with a ``file://`` checkpoint
 URI, in the run's own directory beside its checkpoints; with ``s3://``, in a
-directory of this machine named after the run.
+directory of this machine named after the run. The leader also ships them to
+the run's location in the store (``<run>/events/``, :mod:`elastic_ft.runevents`),
+so that no node's loss takes a committed step's events with it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ partition the wall time exactly:
   group, model and data, checkpoint read).
 
 Goodput is ``kept / wall``. Only the leader's events are in a run's file, so
-on several machines this covers the attempts whose leader wrote to it.
+on several machines a file covers the attempts whose leader wrote to it; the
+run's store has every leader's (:func:`elastic_ft.runevents.load.load_run_events`).
 """
 
 from __future__ import annotations

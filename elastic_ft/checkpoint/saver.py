@@ -75,18 +75,22 @@ class AsyncSaver:
         group: "dist.ProcessGroup | None" = None,
         on_commit: Callable[[Manifest, Snapshot], None] | None = None,
         on_error: Callable[[Snapshot, BaseException], None] | None = None,
+        before_commit: Callable[[Snapshot], None] | None = None,
         part_attempts: int = 3,
         max_failed_saves: int = 3,
         timeout_s: float = 1800.0,
     ) -> None:
         """``group`` (all ranks, gloo) should have a timeout of about ``timeout_s``: it bounds
-        the background collectives as ``timeout_s`` bounds the training thread's waits."""
+        the background collectives as ``timeout_s`` bounds the training thread's waits.
+        ``before_commit`` runs on the leader once every part is in, before the manifest: what
+        must be durable before the checkpoint exists (the run's events); if it raises, the
+        manifest is not committed and the save fails."""
         if world_size > 1 and group is None:
             raise ValueError("a multi-rank AsyncSaver needs a process group for its background collectives")
         if max_failed_saves < 1 or not timeout_s > 0:
             raise ValueError(f"max_failed_saves ({max_failed_saves}) and timeout_s ({timeout_s}) must be positive")
         self.writer, self.rank, self.world_size, self.group = writer, rank, world_size, group
-        self.on_commit, self.on_error = on_commit, on_error
+        self.on_commit, self.on_error, self.before_commit = on_commit, on_error, before_commit
         self.part_attempts, self.max_failed_saves, self.timeout_s = part_attempts, max_failed_saves, timeout_s
         # One long-lived worker thread fed by a queue: starting a thread per save
         # cost the training loop ~6 ms on a busy host (Thread.start waits until
@@ -272,6 +276,8 @@ class AsyncSaver:
             for part_refs, _, _ in gathered:
                 blobs.update(part_refs)
             try:
+                if self.before_commit is not None:
+                    self.before_commit(snap)
                 manifest = self.writer.commit_manifest(snap, blobs)
             except Exception as exc:
                 outcome, cause = f"{type(exc).__name__}: {exc}", exc

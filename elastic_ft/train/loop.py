@@ -36,8 +36,8 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
-from elastic_ft.events import EventLog, next_attempt
 from elastic_ft.inputs.resolve import InputSource
+from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure
 from elastic_ft.train import data as data_mod
@@ -72,13 +72,12 @@ class Trainer:
         self.spec, self.opts, self.world = spec, opts, world
         imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
-        events_path = os.path.join(opts.log_dir, "events.jsonl")
-        # Every event names its attempt, so a step redone after a restart is told from its first try.
-        attempt = broadcast_from_leader(world, next_attempt(events_path) if world.is_leader else None)
-        self.events = EventLog(events_path if world.is_leader else None, run_id=opts.run_id, attempt=attempt)
+        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
+        # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
+        self.events, self.shipper = open_run_events(world, self.store, os.path.join(opts.log_dir, "events.jsonl"),
+                                                    run_id=opts.run_id)
         if spec.logging.tensorboard and world.is_leader:
             self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
-        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
         with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
@@ -110,6 +109,7 @@ class Trainer:
         self.saver = AsyncSaver(
             CheckpointWriter(self.store, opts.run_id), rank=world.rank, world_size=world.size, group=ckpt_group,
             on_commit=self._on_commit, on_error=self._on_save_error, max_failed_saves=c.max_failed_saves,
+            before_commit=self.shipper.before_commit if self.shipper else None,
             timeout_s=c.save_timeout_s,
         )
         self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
@@ -376,7 +376,7 @@ class Trainer:
     def close(self) -> None:
         self.preemption.close()
         self.saver.close()
-        self.events.close()
+        self.events.close()  # its sinks too: the shipper's last shipment (how this attempt stopped), TensorBoard
         self.store.close()
 
 

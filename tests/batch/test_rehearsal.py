@@ -12,13 +12,16 @@ holds rank 0 is lost (the child's whole process tree SIGKILLed); the others go
 on without it, and Batch's retry, attempt 2 of the same child with the same
 command, joins the running job again. Every child then exits 0, the newest
 checkpoint on S3 is the final step's, and the ledger shows every sample
-consumed exactly once, in the cursor's order.
+consumed exactly once, in the cursor's order. ``elastic-ft events`` on the S3 location shows every
+step's event once, the lost leader's included, and ``status`` reports the node loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -27,6 +30,7 @@ import pytest
 from elastic_ft.config import load_spec
 from elastic_ft.events import read_events
 from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.merge import latest_steps
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.cursor import take
 from tests.checkpoint.s3_servers import aws_env
@@ -176,6 +180,7 @@ def test_planned_batch_job_runs_here_loses_a_child_and_its_retry_rejoins(etcd, s
     assert plan.array_size == NODES
 
     job = ArrayJob(plan, tmp_path, seaweed, imds)
+    uri = f"{checkpoint_uri}/{run_id}"
     try:
         for index in range(NODES):
             job.start(index, attempt=1)
@@ -197,6 +202,9 @@ def test_planned_batch_job_runs_here_loses_a_child_and_its_retry_rejoins(etcd, s
         # The retry's own worker is one of the three ranks that train (torchrun gave it RANK and WORLD_SIZE).
         wait_for(lambda: job.training_at(NODES, after=back_at) and NODES in worker_worlds(retry).values(), WAIT_S,
                  "a step at world size 3 with the retry's worker in it", [*survivors, retry])
+        # Meanwhile, from any machine: the run's status, its world read from the rendezvous in etcd.
+        env = aws_env(process_env(), seaweed, str(tmp_path))
+        live = cli("status", uri, "--rdzv_endpoint", etcd.endpoint, env=env)
         codes = [child.wait(timeout=2 * WAIT_S) for child in job.children]  # the rest of the training
         assert codes == [0] * NODES, "\n".join(f"--- child {i}\n{c.tail()}" for i, c in enumerate(job.children))
     finally:
@@ -229,10 +237,39 @@ def test_planned_batch_job_runs_here_loses_a_child_and_its_retry_rejoins(etcd, s
     assert imds.counts()[0] > 0, "no child asked the local IMDS for a token"
 
     # On S3, through the project's own CLI: the newest committed checkpoint is the final step's, and it verifies.
-    env = aws_env(process_env(), seaweed, str(tmp_path))
-    uri = f"{checkpoint_uri}/{run_id}"
     ls = cli("ckpt", "ls", uri, env=env)
     assert ls.returncode == 0, explain(ls)
     assert ls.stdout.splitlines()[-1].split()[0] == str(STEPS), ls.stdout
     verify = cli("ckpt", "verify", uri, env=env)
     assert verify.returncode == 0 and f"checkpoint at step {STEPS} OK" in verify.stdout, explain(verify)
+    lost_attempt = [e["attempt"] for e in log[:killed_at] if e["event"] == "start"][-1]
+    run_events_on_s3_survive_the_lost_leader(uri, env, log, lost_attempt, live)
+
+
+def run_events_on_s3_survive_the_lost_leader(uri: str, env: dict[str, str], log: list[dict], lost_attempt: int,
+                                             live: subprocess.CompletedProcess) -> None:
+    """``elastic-ft events`` and ``status`` on the S3 location: what the leaders shipped there, the lost one's
+    included, has every step once (the ledger proves every sample once from it alone) and the node loss."""
+    assert live.returncode == 0, explain(live)
+    assert f"world: {NODES} rank(s) on {NODES} node(s) (rendezvous round" in live.stdout, live.stdout
+    out = cli("events", uri, env=env)
+    assert out.returncode == 0, explain(out)
+    shipped = [json.loads(line) for line in out.stdout.splitlines()]
+    for name in ("step", "step_done"):
+        assert [e["step"] for e in shipped if e["event"] == name] == list(range(1, STEPS + 1)), name
+        # Each the latest attempt's: the one the local file (all leaders wrote it on this machine) says.
+        assert [e for e in shipped if e["event"] == name] == [e for e in latest_steps(log) if e["event"] == name]
+    history = replay(shipped)
+    assert check_exactly_once(history, DATASET_SIZE) == [] and sorted(history) == list(range(STEPS))
+    # The lost leader's attempt: its step events up to the checkpoint the survivors resumed from are on S3.
+    lost = [e for e in shipped if e["attempt"] == lost_attempt]
+    began = next(e["step"] for e in lost if e["event"] == "resume_plan")
+    resumed = next(e["step"] for e in shipped if e["event"] == "resume_plan" and e["attempt"] == lost_attempt + 1)
+    assert [e["step"] for e in lost if e["event"] == "step"] == list(range(began + 1, resumed + 1)), (began, resumed)
+    assert len([e for e in shipped if e["event"] == "node_lost"]) == 1
+    assert [e["event"] for e in shipped].count("end") == 1 and shipped[-1]["event"] == "end"
+    status = cli("status", uri, env=env)
+    assert status.returncode == 0, explain(status)
+    assert f"steps: {STEPS} of {STEPS} (100.0 %); finished" in status.stdout, status.stdout
+    assert "nodes lost: 1;" in status.stdout and "  node lost: " in status.stdout, status.stdout
+    assert f"last checkpoint: step {STEPS}," in status.stdout, status.stdout

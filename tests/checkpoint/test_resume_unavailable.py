@@ -42,7 +42,11 @@ def test_blob_reads_failing_with_503_stop_resume_and_retire_nothing(s3_env, s3_s
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("elastic_ft: error: ")]
     assert len(err) == 1 and "step 6 could not be read" in err[0] and "nothing was retired" in err[0], err
     assert any(s.fault == "slowdown" for s in proxy.seen)
-    assert [o.key for o in direct.list()] == before, "a checkpoint was retired or deleted on a store fault"
+    # The run's events (events/) grew by the failed attempt's claim and its shipped events; nothing else changed.
+    after = [o.key for o in direct.list()]
+    assert [k for k in after if not k.startswith("events/")] == [k for k in before if not k.startswith("events/")], \
+        "a checkpoint was retired or deleted on a store fault"
+    assert "events/attempts/00000002.json" in after and any(k.startswith("events/00000002-") for k in after)
     assert [e["event"] for e in read_events(os.path.join(logs, "events.jsonl"))].count("resume_plan") == 1
 
     env = process_env(AWS_ENDPOINT_URL_S3=proxy.url)
@@ -51,5 +55,5 @@ def test_blob_reads_failing_with_503_stop_resume_and_retire_nothing(s3_env, s3_s
     assert "could not be read, so it was not verified" in verify.stderr and "Traceback" not in verify.stderr
     export = cli("export", f"{base}/run", "--out", str(tmp_path / "out"), env=env)
     assert export.returncode == 2 and "step 6 could not be read" in export.stderr, explain(export)
-    assert [o.key for o in direct.list()] == before
+    assert [o.key for o in direct.list()] == after
     direct.close()

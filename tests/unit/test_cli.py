@@ -28,7 +28,7 @@ def test_version_prints_the_package_version():
         assert tomllib.load(f)["project"]["version"] == elastic_ft.__version__
 
 
-@pytest.mark.parametrize("argv", [[], ["train"], ["ckpt", "ls"], ["export"], ["goodput"]])
+@pytest.mark.parametrize("argv", [[], ["train"], ["ckpt", "ls"], ["export"], ["goodput"], ["events"], ["status"]])
 def test_help_does_not_import_torch(argv):
     out = _python(
         "import sys\nfrom elastic_ft.cli import main\n"
@@ -64,3 +64,12 @@ def test_ckpt_ls_of_a_location_with_nothing_there_says_so_and_fails(tmp_path, ca
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err.count("\n") == 1 and f"no committed checkpoints at file://{run}" in out.err
+
+
+@pytest.mark.parametrize("command", ["events", "status"])
+def test_events_and_status_of_a_location_with_nothing_there_say_so_and_fail(tmp_path, capsys, command):
+    (tmp_path / "r" / "logs").mkdir(parents=True)  # a run's local log directory is not its events in the store
+    assert main([command, f"file://{tmp_path}/r"]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.count("\n") == 1 and f"file://{tmp_path}/r" in out.err and "no events" in out.err
