@@ -36,7 +36,7 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
 from elastic_ft.config import JobSpec
-from elastic_ft.events import EventLog, next_attempt
+from elastic_ft.events import EventLog, joined_line, next_attempt
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure
@@ -74,7 +74,10 @@ class Trainer:
         events_path = os.path.join(opts.log_dir, "events.jsonl")
         # Every event names its attempt, so a step redone after a restart is told from its first try.
         attempt = broadcast_from_leader(world, next_attempt(events_path) if world.is_leader else None)
-        self.events = EventLog(events_path if world.is_leader else None, run_id=opts.run_id, attempt=attempt)
+        # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
+        self.node_head = world.local_rank == 0 and not world.is_leader
+        self.events = EventLog(events_path if world.is_leader else None, node_head=self.node_head,
+                               run_id=opts.run_id, attempt=attempt)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
@@ -321,14 +324,21 @@ class Trainer:
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(), **goodput.start_fields(),
             **({"node": node} if (node := batch_node()) else {}),  # array index, attempt on AWS Batch
         )
+        if self.node_head:
+            log.info("%s", joined_line(self.opts.run_id, w.rank, w.local_size, w.size, self.events.common["attempt"]))
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
+        first = True
         try:
             while self.step < self.total_steps:
                 self.preemption.at_boundary(self)  # raises Preempted after committing, on a notice
                 self._inject_faults()
                 self.step_once()
+                if first and self.node_head:  # the leader's progress lines say the rest
+                    log.info("training: step %d/%d done at world %d; progress lines are on the node of rank 0",
+                             self.step, self.total_steps, w.size)
+                first = False
                 due, why = checkpoint_due(
                     step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
                     seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
