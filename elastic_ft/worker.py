@@ -70,7 +70,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"elastic_ft: error: {exc}", file=sys.stderr)
         return 2
     except Preempted as exc:
-        print(f"elastic_ft: {exc}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank of the node leaves alike: one line per node
+            print(f"elastic_ft: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except Exception as exc:
         lost = collective_failure(exc)
