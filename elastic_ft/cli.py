@@ -217,6 +217,9 @@ def _check_export_args(args) -> None:
 
 
 def _export(args) -> int:
+    from elastic_ft.quiet import quiet_libraries
+
+    quiet_libraries()  # before transformers is imported: its progress bars read the environment then
     from elastic_ft.export import export
 
     _check_export_args(args)

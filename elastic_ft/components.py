@@ -183,7 +183,7 @@ def train(
                 num_replicas=replicas or hi,
                 min_replicas=lo,
                 resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
-                env=_job_env(env),
+                env=_job_env(env, nproc_per_node=nproc_per_node),
                 port_map={"c10d": 29500},
                 max_retries=max_restarts,
             )
@@ -315,7 +315,7 @@ def _worker_args(
     return cmd + list(overrides)
 
 
-def _job_env(env: Optional[Dict[str, str]]) -> Dict[str, str]:
+def _job_env(env: Optional[Dict[str, str]], *, nproc_per_node: int = 1) -> Dict[str, str]:
     """The environment of every node: ours, then the user's ``env`` over it."""
     job_env = {
         # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
@@ -324,6 +324,10 @@ def _job_env(env: Optional[Dict[str, str]]) -> Dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "LOGLEVEL": "WARNING",
     }
+    if nproc_per_node > 1:
+        # What torchrun sets itself for more than one process per node, set here so it
+        # does not print its four-line banner about it on every start.
+        job_env["OMP_NUM_THREADS"] = "1"
     job_env.update(env or {})
     return job_env
 

@@ -35,8 +35,13 @@ from typing import Any, Protocol
 log = logging.getLogger("elastic_ft.events")
 
 
+NODE_EVENTS = frozenset({"resume_plan", "rescale", "preempted", "aborted", "end"})
+"""The events whose line a node without the leader shows too: how the run goes on, seen from that node."""
+
+
 class Sink(Protocol):
-    """Where else an :class:`EventLog` sends each record (TensorBoard): must not raise, nor block for long."""
+    """Where else an :class:`EventLog` sends each record (the store's shipper, TensorBoard): must not raise,
+    nor block for long."""
 
     def write(self, record: dict) -> None: ...
 
@@ -44,10 +49,17 @@ class Sink(Protocol):
 
 
 class EventLog:
-    """Appends events to ``path`` (None: log only, e.g. on ranks other than 0), and passes them to its sinks."""
+    """Appends events to ``path`` (None: log only, e.g. on ranks other than 0), and passes them to its sinks.
 
-    def __init__(self, path: str | None, **common: Any) -> None:
+    ``node_head``: this process speaks for a node that does not hold the
+    leader (its local rank 0), so the :data:`NODE_EVENTS` show on that
+    node's console too; every other rank's lines, duplicates of the leader's,
+    are kept at DEBUG.
+    """
+
+    def __init__(self, path: str | None, *, node_head: bool = False, **common: Any) -> None:
         self.path = path
+        self.node_head = node_head
         self.common = common
         self._file = None
         self._sinks: list[Sink] = []
@@ -66,8 +78,8 @@ class EventLog:
             for sink in self._sinks:  # under the lock: a sink sees the records in the file's order
                 sink.write(record)
         if not quiet:
-            # Other ranks' events duplicate the leader's: keep them for debugging only.
-            log.log(logging.INFO if self._file is not None else logging.DEBUG, "%s", console_line(record))
+            shown = self._file is not None or (self.node_head and event in NODE_EVENTS)
+            log.log(logging.INFO if shown else logging.DEBUG, "%s", console_line(record))
         return record
 
     def add_sink(self, sink: Sink) -> None:
@@ -111,6 +123,15 @@ def console_line(record: dict) -> str:
     fields = [f"{k} {_scalar(v)}" for k, v in e.items()
               if k not in _NOT_SHOWN and v is not None and not isinstance(v, (dict, list, tuple))]
     return f"{name}: {', '.join(fields)}"
+
+
+def joined_line(run_id: str, rank: int, local_size: int, world_size: int, attempt: int) -> str:
+    """What a node without the leader prints as its workers start: which ranks of which world it holds.
+
+    torchrun deals each node a contiguous block of global ranks, from its local rank 0's.
+    """
+    ranks = f"rank {rank}" if local_size == 1 else f"ranks {rank}-{rank + local_size - 1}"
+    return f"joined run {run_id} (attempt {attempt}): this node holds {ranks} of world {world_size}"
 
 
 def _scalar(v: Any) -> str:

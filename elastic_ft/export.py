@@ -5,7 +5,8 @@ LoRA runs give ``adapter_config.json`` + ``adapter_model.safetensors`` that
 inline config (no hub name to point at) is rebuilt from the spec stored in the
 checkpoint, deterministic from its seed, and written to ``DIR/base`` with its
 tokenizer; the adapter's ``base_model_name_or_path`` then points there. Full
-fine-tunes export a complete model directory.
+fine-tunes export a complete model directory. The tokenizer is saved in
+``DIR`` too, made to put BOS first as training does.
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ def export(uri: str, out: str, *, step: int | None = None) -> dict:
     os.makedirs(out, exist_ok=True)
     # safetensors saves through a 0600 temporary file: give what we write the mode the umask implies.
     before = FileTree.of(out)
-    model.save_pretrained(out)
     if spec.lora is None:
-        tokenizer.save_pretrained(out)
-    elif spec.model.name_or_path is None:
+        model.save_pretrained(out)
+    else:
+        # With lm_head among the targets peft would also save the output layer itself; it is
+        # frozen (never resized) and the base model has it, so the adapter holds LoRA weights only.
+        model.save_pretrained(out, save_embedding_layers=False)
+    # The tokenizer goes beside the weights (and the adapter), so AutoTokenizer
+    # loads from the directory the model does, and adds BOS as training did.
+    tokenizer = model_mod.with_leading_bos(tokenizer)
+    tokenizer.save_pretrained(out)
+    if spec.lora is not None and spec.model.name_or_path is None:
         base_dir = os.path.join(os.path.abspath(out), "base")
         base = model_mod.build_base_model(spec.model, tokenizer, spec.seed)
         base.save_pretrained(base_dir)

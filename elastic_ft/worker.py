@@ -21,6 +21,7 @@ from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.events import events_dir
 from elastic_ft.names import name_problem
+from elastic_ft.quiet import quiet_libraries
 from elastic_ft.spot.imds import EndpointError
 from elastic_ft.train.datafiles import DataError  # not train.data: it imports torch, and --help must not
 from elastic_ft.train.departure import collective_failure
@@ -58,9 +59,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         level=os.environ.get("ELASTIC_FT_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s",
     )
-    # Libraries' chatter (peft/transformers warnings) would drown the progress lines.
-    for noisy in ("transformers", "peft", "datasets", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet_libraries()  # their chatter (peft/transformers warnings, progress bars) would drown the progress lines
     try:
         check_uri(args.checkpoint_uri)  # as typed, before any work: joined with the run id it reads garbled
         spec = load_spec(args.spec, args.overrides)
@@ -71,14 +70,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"elastic_ft: error: {exc}", file=sys.stderr)
         return 2
     except Preempted as exc:
-        print(f"elastic_ft: {exc}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank of the node leaves alike: one line per node
+            print(f"elastic_ft: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except Exception as exc:
         lost = collective_failure(exc)
         if lost is None:
             raise  # a bug's traceback must show
         # A peer is gone: the agent restarts the workers (its own line says which node and why).
-        print(f"elastic_ft: a collective failed, a peer is gone: {lost}", file=sys.stderr)
+        # Every rank of the node meets it: one line per node, from its local rank 0.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"elastic_ft: a collective failed, a peer is gone: {lost}", file=sys.stderr)
         return 1
     return 0
 

@@ -141,14 +141,16 @@ def leader_attempt(world: Any, store: ObjectStore, local_next: int | None) -> in
     return attempt
 
 
-def open_run_events(world: Any, store: ObjectStore, path: str, **common: Any) -> tuple[EventLog, Shipper | None]:
+def open_run_events(world: Any, store: ObjectStore, path: str, *, node_head: bool = False,
+                    **common: Any) -> tuple[EventLog, Shipper | None]:
     """The trainer's event log (writing ``path`` on the leader) and, on the leader, its shipper to ``store``.
 
     Every event carries ``common`` and ``attempt``, claimed in the store (:func:`leader_attempt`: a
     collective), so a step redone after a restart is told from its first try, whichever machine leads.
+    ``node_head``: as :class:`~elastic_ft.events.EventLog` takes it.
     """
     attempt = leader_attempt(world, store, next_attempt(path) if world.is_leader else None)
-    events = EventLog(path if world.is_leader else None, **common, attempt=attempt)
+    events = EventLog(path if world.is_leader else None, node_head=node_head, **common, attempt=attempt)
     shipper = Shipper(store, attempt) if world.is_leader else None
     if shipper is not None:
         events.add_sink(shipper)

@@ -93,11 +93,19 @@ def _earlier(new: float | None, old: float | None) -> bool:
 
 
 class Watcher:
-    """Polls IMDS every ``interval_s`` on a daemon thread and posts what it finds to ``board``."""
+    """Polls IMDS every ``interval_s`` on a daemon thread and posts what it finds to ``board``.
+
+    ``speaks``: log at INFO/WARNING (else DEBUG). Every rank of a node polls
+    the same IMDS and would print the same lines; one per node (its local rank
+    0) is enough.
+    """
 
     def __init__(self, board: NoticeBoard, client: ImdsClient, *, interval_s: float,
-                 quiet_interval_s: float = QUIET_INTERVAL_S, wall: Callable[[], float] = time.time) -> None:
+                 quiet_interval_s: float = QUIET_INTERVAL_S, wall: Callable[[], float] = time.time,
+                 speaks: bool = True) -> None:
         self.board, self.client, self.interval_s, self.wall = board, client, interval_s, wall
+        self._info = logging.INFO if speaks else logging.DEBUG
+        self._warning = logging.WARNING if speaks else logging.DEBUG
         self.quiet_interval_s = max(interval_s, quiet_interval_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,7 +151,7 @@ class Watcher:
         self._answered, self._failed_probes, self.quiet = True, 0, False
         if self._in_trouble:
             self._in_trouble = False
-            log.info("spot: IMDS at %s answers again", self.client.endpoint)
+            log.log(self._info, "spot: IMDS at %s answers again", self.client.endpoint)
         now = self.wall()
         if rebalance is not None:
             key = f"rebalance@{rebalance.notice_time if rebalance.notice_time is not None else rebalance.raw}"
@@ -155,12 +163,12 @@ class Watcher:
             self._failed_probes += 1
             if self._failed_probes == PROBE_ATTEMPTS:
                 self.quiet = True
-                log.info("spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM (probing again "
+                log.log(self._info, "spot: %s (%d attempts); not on EC2? Spot notices will come from SIGTERM (probing again "
                          "every %g s)", exc, self._failed_probes, self.quiet_interval_s)
             return False
         if not self._in_trouble:
             self._in_trouble = True
-            log.warning("spot: polling IMDS failed: %s; retrying every %g s", exc, self.interval_s)
+            log.log(self._warning, "spot: polling IMDS failed: %s; retrying every %g s", exc, self.interval_s)
         return False
 
     def _post(self, notice: Notice) -> None:
@@ -168,7 +176,7 @@ class Watcher:
             return
         left = "unknown" if notice.deadline is None else f"{notice.deadline - notice.seen_at:.0f} s"
         extra = f" ({notice.problem}: taken as shown)" if notice.problem else ""
-        log.warning("spot: %s notice from IMDS, time left %s%s", notice.kind, left, extra)
+        log.log(self._warning, "spot: %s notice from IMDS, time left %s%s", notice.kind, left, extra)
 
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM

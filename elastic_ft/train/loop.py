@@ -20,22 +20,18 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_ft import faults, goodput
 from elastic_ft.batch.identity import batch_node
 from elastic_ft.checkpoint.cache import CachedStore
-from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.store import join_uri, open_store
-from elastic_ft.checkpoint.manifest import Manifest
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
-from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
+from elastic_ft.checkpoint.saver import SaveFailed
 from elastic_ft.config import JobSpec
+from elastic_ft.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
@@ -47,7 +43,8 @@ from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.preemption import Preemption
-from elastic_ft.train.restore import Restorer, optimizer_tensors
+from elastic_ft.train.saving import Saving
+from elastic_ft.train.restore import Restorer
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
@@ -65,7 +62,7 @@ class RunOptions:
     log_dir: str
 
 
-class Trainer:
+class Trainer(Saving):
     """State of one training process; :meth:`run` is the whole job."""
 
     def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
@@ -74,8 +71,10 @@ class Trainer:
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
+        # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
+        self.node_head = world.local_rank == 0 and not world.is_leader
         self.events, self.shipper = open_run_events(world, self.store, os.path.join(opts.log_dir, "events.jsonl"),
-                                                    run_id=opts.run_id)
+                                                    node_head=self.node_head, run_id=opts.run_id)
         if spec.logging.tensorboard and world.is_leader:
             self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
         if spec.checkpoint.local_cache_dir is not None:
@@ -100,29 +99,11 @@ class Trainer:
             )
         self.step = 0
         self.cursor = 0
-        # Background saves talk over their own gloo group, so their collectives
-        # never interleave with the training thread's.
-        # Its timeout bounds their waits as save_timeout_s bounds the training thread's.
-        c = spec.checkpoint
-        ckpt_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=c.save_timeout_s))
-                      if world.distributed else None)
-        self.saver = AsyncSaver(
-            CheckpointWriter(self.store, opts.run_id), rank=world.rank, world_size=world.size, group=ckpt_group,
-            on_commit=self._on_commit, on_error=self._on_save_error, max_failed_saves=c.max_failed_saves,
-            before_commit=self.shipper.before_commit if self.shipper else None,
-            timeout_s=c.save_timeout_s,
-        )
+        self.saver = self._open_saver()
         self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
         self.injector = faults.Injector.from_env()
         self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
                                  injector=self.injector)
-        self._save_started: dict[int, tuple[float, float, str]] = {}  # step -> (start, blocked s, reason)
-        self._save_lock = threading.Lock()
-        # The spec does not change during a run; rendering and hashing it on every
-        # save cost ~2 ms of blocked training time.
-        self._spec_doc, self._config_hash = self.spec.to_dict(), self.spec.hash()
-        self.last_ckpt_step = 0
-        self.last_ckpt_time = time.monotonic()
         self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
         # What the spot policy weighs (the committed step and commit time are the leader's: it decides).
         self.last_committed_step, self.last_commit_s, self.last_step_s = 0, None, None
@@ -236,83 +217,6 @@ class Trainer:
         self.events.emit("aborted", step=self.step, reason=reason)
         return RunAborted(reason)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def save(self, reason: str, *, sync: bool = False) -> None:
-        """Checkpoint the current step: every rank snapshots and uploads its shard.
-
-        Called on every rank at the same steps. Training blocks for the host
-        copy only, unless ``sync`` (or ``checkpoint.async_save: false``).
-        A failed save is an event, and the run goes on, until
-        ``checkpoint.max_failed_saves`` failed in a row: then the saver raises
-        :class:`SaveFailed` here (on every rank alike; :meth:`run` stops the
-        run). ``sync`` raises on any failure: the caller needs the checkpoint.
-        """
-        self.metrics.flush()  # the events of every step a checkpoint covers are written first
-        t0 = time.monotonic()
-        cfg = self.spec.checkpoint
-        # The leader decides skip-if-busy and the blob nonce, so all ranks submit the same saves.
-        skip, nonce = broadcast_from_leader(self.world, (cfg.if_busy == "skip" and self.saver.busy and not sync,
-                                                         new_nonce()))
-        if skip:
-            self.events.emit("checkpoint_skipped", step=self.step, reason="the previous save is still uploading")
-            return
-        snap = snapshot(
-            self.step, self.cursor,
-            {"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)},
-            documents={
-                "trainer": {"step": self.step, "cursor": self.cursor, "total_steps": self.total_steps},
-                "spec": self._spec_doc,
-            },
-            config_hash=self._config_hash,
-            world={"size": self.world.size, "host": socket.gethostname()},
-            rng={"scheme": "reseed(seed, step, rank) before each step", "seed": self.spec.seed},
-            scheduler={"name": self.spec.optimizer.schedule, "step": self.step, "total_steps": self.total_steps,
-                       "peak_lr": self.plan.lr},
-            batch_plan=self.plan.to_dict(),
-        )
-        if sync or not cfg.async_save:
-            self._save_started[self.step] = (t0, float("nan"), reason)
-            self.saver.submit(snap, nonce)
-            if sync:
-                self.saver.flush()
-            else:
-                self.saver.wait()
-        else:
-            # Waiting for a save still in flight (if_busy=wait) is part of the blocked
-            # time. The lock keeps a fast commit's _on_commit (which pops this entry)
-            # from running before the entry is written: it would report blocked_s
-            # as None and leave a stale entry behind.
-            self.saver.wait()
-            with self._save_lock:
-                self.saver.submit(snap, nonce)
-                self._save_started[self.step] = (t0, time.monotonic() - t0, reason)
-        self.last_ckpt_step, self.last_ckpt_time = self.step, time.monotonic()
-
-    def _on_commit(self, manifest: Manifest, snap: Snapshot) -> None:
-        """Leader, after a manifest landed (on the saver's thread)."""
-        with self._save_lock:
-            t0, blocked, reason = self._save_started.pop(snap.step, (time.monotonic(), float("nan"), ""))
-        self.last_committed_step = max(self.last_committed_step, snap.step)
-        self.last_commit_s = time.monotonic() - t0
-        self.events.emit(
-            "checkpoint_committed", step=snap.step, key=self.store.join(manifest.key), bytes=manifest.total_size,
-            parts=self.world.size, blocked_s=None if math.isnan(blocked) else round(blocked, 5),
-            seconds=round(time.monotonic() - t0, 4), reason=reason,
-        )
-        c = self.spec.checkpoint
-        if c.keep_last is not None:
-            policy = RetentionPolicy(keep_last=c.keep_last, keep_every=c.keep_every, orphan_grace_s=c.orphan_grace_s)
-            try:
-                apply_gc(self.store, collect(self.store, policy, time.time(), run_id=self.opts.run_id))
-            except Exception as exc:  # retention can wait for the next commit; the checkpoint is safe
-                log.warning("retention after step %d failed: %s", snap.step, exc)
-
-    def _on_save_error(self, snap: Snapshot, exc: BaseException) -> None:
-        self._save_started.pop(snap.step, None)
-        self.events.emit("checkpoint_failed", step=snap.step, error=f"{type(exc).__name__}: {exc}",
-                         in_row=self.saver.failed_in_row, limit=self.spec.checkpoint.max_failed_saves)
-
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict:
@@ -324,14 +228,21 @@ class Trainer:
             config_hash=self._config_hash, batch_plan=self.plan.to_dict(), **goodput.start_fields(),
             **({"node": node} if (node := batch_node()) else {}),  # array index, attempt on AWS Batch
         )
+        if self.node_head:
+            log.info("%s", joined_line(self.opts.run_id, w.rank, w.local_size, w.size, self.events.common["attempt"]))
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
+        first = True
         try:
             while self.step < self.total_steps:
                 self.preemption.at_boundary(self)  # raises Preempted after committing, on a notice
                 self._inject_faults()
                 self.step_once()
+                if first and self.node_head:  # the leader's progress lines say the rest
+                    log.info("training: step %d/%d done at world %d; progress lines are on the node of rank 0",
+                             self.step, self.total_steps, w.size)
+                first = False
                 due, why = checkpoint_due(
                     step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
                     seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,

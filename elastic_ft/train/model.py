@@ -19,7 +19,12 @@ _SPECIALS = ("<pad>", "<s>", "</s>")
 
 
 def byte_tokenizer():
-    """A byte-level tokenizer: 256 byte tokens + pad/bos/eos, no training, no download."""
+    """A byte-level tokenizer: 256 byte tokens + pad/bos/eos, no training, no download.
+
+    Called as usual (``add_special_tokens`` true) it puts BOS first, as
+    :func:`elastic_ft.train.data.tokenize` does for every training sample, so
+    the saved tokenizer prompts an exported model as it was trained.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,7 +34,27 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(_SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    return with_leading_bos(fast)
+
+
+def with_leading_bos(tokenizer):
+    """``tokenizer``, made to put BOS first when called with special tokens, as training does.
+
+    Training prepends BOS itself (``add_special_tokens=False`` plus the id), so
+    a model learns to read prompts after BOS; a tokenizer that does not add it
+    (the byte tokenizer, GPT-2's) would prompt the exported model differently.
+    Fast tokenizers get a BOS template; one that adds BOS already is unchanged.
+    """
+    bos = tokenizer.bos_token
+    if bos is None or not tokenizer.is_fast or tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        return tokenizer
+    from tokenizers import processors
+
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_token_id)],
+    )
+    return tokenizer
 
 
 def build_tokenizer(cfg: ModelConfig):

@@ -153,7 +153,7 @@ class Preemption:
         self.marker = marker_for_worker(os.environ, os.getppid())
         if cfg.enabled:
             client = ImdsClient(endpoint, timeout_s=cfg.imds_timeout_s, token_ttl_s=cfg.token_ttl_s)
-            self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s)
+            self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s, speaks=world.local_rank == 0)
             self.watcher.start()
             if cfg.sigterm:
                 lost = None if self.marker is None else functools.partial(peer_lost, self.marker)

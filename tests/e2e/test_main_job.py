@@ -1,9 +1,12 @@
 """The default main job, exactly as the README runs it, through torchx local_cwd;
-then the CLI's ckpt ls/verify and export, and the exported adapter loaded with peft."""
+then the CLI's ckpt ls/verify and export, and the exported adapter loaded with peft and its
+tokenizer, generating as the README shows."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import stat
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from elastic_ft.events import read_events
 from elastic_ft.filemode import default_file_mode
+from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import BIN, REPO, cli, explain, run
 
 pytestmark = pytest.mark.slow
@@ -36,7 +40,10 @@ def test_default_job_completes_with_two_ranks_and_learns(main_job):
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 101))
     first, last = steps[0]["loss"], steps[-1]["loss"]
-    assert last < first - 0.5, f"loss went from {first} to {last}: the fine-tune did not learn"
+    # Well below a uniform guess over the vocabulary (ln 259 = 5.56), where the first step starts:
+    # the job visibly learns (it once ended at 4.70, barely under the guess).
+    uniform = math.log(len(byte_tokenizer()))
+    assert abs(first - uniform) < 0.5 and last < 0.4 * uniform, f"loss went from {first} to {last} (uniform {uniform})"
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     assert committed == [20, 40, 60, 80, 100]
     assert events[-1]["event"] == "end" and events[-1]["step"] == 100
@@ -46,6 +53,9 @@ def test_console_shows_progress_lines_not_json(main_job):
     _root, _, console = main_job
     assert "step 100/100 | loss" in console and "start: attempt 1 of run tiny-lora, world 2" in console
     assert '{"ts"' not in console, "raw JSON events reached the console (they belong in events.jsonl)"
+    # Nothing the user cannot act on: library warnings, torchrun's OMP_NUM_THREADS banner, progress bars.
+    for noise in ("Warning", "warnings.warn", "OMP_NUM_THREADS", "it/s]"):
+        assert noise not in console, f"{noise!r} on the console:\n{console}"
 
 
 def test_ckpt_ls_and_verify(main_job):
@@ -61,7 +71,7 @@ def test_ckpt_ls_and_verify(main_job):
 
 
 def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, _, _ = main_job
@@ -85,3 +95,24 @@ def test_export_loads_with_peft_and_has_trained_lora(main_job, tmp_path):
         with model.disable_adapter():
             plain = model(input_ids=ids).logits
     assert not torch.allclose(tuned, plain)
+    generates_the_form_of_the_training_data(AutoTokenizer.from_pretrained(str(out)),
+                                            AutoPeftModelForCausalLM.from_pretrained(str(out)))
+
+
+# The corpus's four templates (data/make_tiny_corpus.py): a prompt and the form of its answer.
+FORMS = [("What is 12 plus 30?", r" \d+\."), ("Add 25 and 41.", r" The sum is \d+\."), ("47 + 38 =", r" \d+"),
+         ("Compute the sum of 19 and 23.", r" \d+ \+ \d+ = \d+\.")]
+
+
+def generates_the_form_of_the_training_data(tokenizer, model) -> None:
+    """The README's generation: the tokenizer beside the adapter puts BOS first as training did, and
+    greedy answers take the form of the corpus's answers (a random model's are noise)."""
+    ids = tokenizer(FORMS[0][0])["input_ids"]
+    assert ids == [tokenizer.bos_token_id] + tokenizer(FORMS[0][0], add_special_tokens=False)["input_ids"]
+    answers = []
+    for prompt, _ in FORMS:
+        batch = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=24, do_sample=False)
+        answers.append(tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
+    matched = [bool(re.fullmatch(form, a)) for (_, form), a in zip(FORMS, answers)]
+    assert sum(matched) >= 3, list(zip([p for p, _ in FORMS], answers))

@@ -80,6 +80,14 @@ def test_trainer_loses_the_rank0_node_and_completes_exactly_once(etcd, run_id, t
     assert (lost[0]["resume_after_step"], lost[0]["world"]) == (resumed["step"], expected_world)
     survivor_log = survivor.tail(10**7)
     assert "the job resumes after step" in survivor_log
+    # Before the loss the survivor's node did not hold rank 0: its console still said, once, that it
+    # joined and trains (local rank 0 only: a node of 2 holds a block of 2 ranks).
+    held = "rank 2" if victim is agents[1] else "ranks 1-2"
+    assert survivor_log.count(f"joined run {run_id} (attempt ") >= 1, survivor_log[-5000:]
+    assert f"this node holds {held} of world 3" in survivor_log, survivor_log[-5000:]
+    assert "training: step" in survivor_log and "progress lines are on the node of rank 0" in survivor_log
+    assert '{"ts"' not in survivor_log and "Warning:" not in survivor_log, survivor_log[-5000:]
+    assert survivor_log.count("a collective failed, a peer is gone") <= 1  # its local rank 0 only
     assert "Traceback" not in survivor_log, survivor_log[-5000:]
     history = replay(log)
     assert check_exactly_once(history, 1024) == []

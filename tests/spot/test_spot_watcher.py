@@ -76,6 +76,18 @@ def test_no_service_logs_one_line_and_polls_on_quietly(caplog):
     assert len(lines) == 1 and "not on EC2?" in lines[0] and f"({watcher_mod.PROBE_ATTEMPTS} attempts)" in lines[0]
 
 
+def test_a_rank_that_does_not_speak_for_its_node_logs_at_debug_only(caplog):
+    caplog.set_level(logging.INFO, logger=watcher_mod.__name__)
+    board = NoticeBoard()
+    w = Watcher(board, ImdsClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5), interval_s=0.05, speaks=False)
+    w.start()
+    try:
+        wait_until(lambda: w.quiet, "the probes to find no service")
+    finally:
+        w.stop()
+    assert [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__] == []
+
+
 def test_a_service_that_answers_only_after_the_probes_failed_is_still_heard(imds, caplog):
     caplog.set_level(logging.INFO, logger=watcher_mod.__name__)
     imds.fail_status = 503  # a slow start: the first probes fail

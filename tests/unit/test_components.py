@@ -43,6 +43,10 @@ def test_defaults():
     assert cmd[0] == "torchrun"
     assert flag(cmd, "--rdzv_backend") == "c10d"
     assert flag(cmd, "--rdzv_endpoint") == "localhost:0"
+    # What torchrun would set for 2 processes, set for it so it prints no banner; 1 process keeps every core.
+    assert role.env["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in train(nproc_per_node=1).roles[0].env
+    assert train(env={"OMP_NUM_THREADS": "4"}).roles[0].env["OMP_NUM_THREADS"] == "4"
     assert flag(cmd, "--nnodes") == "1"
     assert flag(cmd, "--nproc_per_node") == "2"
     assert flag(cmd, "--max_restarts") == "3" and role.max_retries == 3

@@ -49,7 +49,7 @@ def test_default_spec_loads():
     assert spec.data.files == [os.path.join(ROOT, "data", "tiny-corpus.jsonl")]
     assert (spec.data.prompt_field, spec.data.response_field, spec.data.max_length) == ("prompt", "response", 48)
     assert spec.lora is not None and spec.lora.r == 8 and "down_proj" in spec.lora.target_modules
-    assert spec.optimizer.lr == pytest.approx(3e-3)
+    assert spec.optimizer.lr == pytest.approx(6e-3) and "lm_head" in spec.lora.target_modules
     assert spec.optimizer.schedule == "cosine"
     assert (spec.batch.global_batch, spec.batch.micro_batch, spec.batch.policy) == (32, 8, "constant_global")
     assert (spec.steps, spec.epochs) == (100, None)

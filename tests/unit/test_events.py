@@ -6,7 +6,7 @@ import os
 import pytest
 
 from elastic_ft.checkpoint.store import UnsupportedURI
-from elastic_ft.events import EventLog, events_dir, local_runs_root, read_events
+from elastic_ft.events import EventLog, events_dir, joined_line, local_runs_root, read_events
 from elastic_ft.goodput import find_events
 
 XDG = {"XDG_CACHE_HOME": "/xdg"}
@@ -70,3 +70,20 @@ def test_the_console_gets_a_short_line_and_the_file_the_json(tmp_path, caplog):
     assert not any("{" in r.getMessage() for r in caplog.records)
     assert [e["event"] for e in read_events(str(path))] == [
         "start", "resume_plan", "rescale", "checkpoint_committed", "end", "ledger"]
+
+
+def test_a_node_without_the_leader_shows_how_the_run_goes_on_and_other_ranks_stay_at_debug(caplog):
+    head, other = EventLog(None, node_head=True, run_id="r1", attempt=1), EventLog(None, run_id="r1", attempt=1)
+    with caplog.at_level(logging.INFO, logger="elastic_ft.events"):
+        for events in (head, other):
+            events.emit("start", world=3, total_steps=60)  # the node's own "joined" line says it (Trainer.run)
+            events.emit("resume_plan", step=4, reason="resuming from step 4 (cursor 128) saved at world 3")
+            events.emit("checkpoint_committed", step=8, bytes=1, seconds=0.1, reason="every_steps")
+            events.emit("end", step=60, final_loss=0.9, seconds=3.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: resuming from step 4 (cursor 128) saved at world 3", "end: step 60, final_loss 0.9, seconds 3"]
+
+
+def test_the_joined_line_names_the_block_of_ranks_the_node_holds():
+    assert joined_line("r1", 1, 2, 3, 1) == "joined run r1 (attempt 1): this node holds ranks 1-2 of world 3"
+    assert joined_line("r1", 2, 1, 3, 4) == "joined run r1 (attempt 4): this node holds rank 2 of world 3"
