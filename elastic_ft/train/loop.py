@@ -172,7 +172,8 @@ class Trainer:
         scale = w.size / max(1, global_tokens)
         chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
         net = self.ddp or self.model
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Summed on the device: no host sync per micro-batch, and ready for the metrics' all-reduce.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
         for j, chunk in enumerate(chunks):
             last = j == len(chunks) - 1
@@ -190,7 +191,7 @@ class Trainer:
                 if poison:
                     ce = ce * float("nan")
                 (ce * scale).backward()
-            loss_sum += ce.detach().double().cpu()
+            loss_sum += ce.detach().double()
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
@@ -203,7 +204,8 @@ class Trainer:
                 "step_skipped", step=self.step, reason=skipped, loss=number(float(loss_sum) / max(1, global_tokens)),
                 grad_norm=number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
             )
-            loss_sum = torch.zeros((), dtype=torch.float64)  # its loss is reported above, not in the step metrics
+            # Its loss is reported above, not in the step metrics.
+            loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
             if self.guard.exhausted:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
@@ -220,10 +222,11 @@ class Trainer:
         """
         params = list(self.trainable.values())
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        grad_norm = float(norm)
+        grad_norm, local_loss = torch.stack([norm.double(), loss_sum]).tolist()  # the one host sync
         if not math.isfinite(grad_norm):
             sum_over_ranks(self.world, loss_sum)
-        reason = self.guard.observe(grad_norm, float(loss_sum) / max(1, global_tokens))
+            local_loss = float(loss_sum)
+        reason = self.guard.observe(grad_norm, local_loss / max(1, global_tokens))
         if reason is None:
             if self.spec.optimizer.grad_clip is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, norm)
