@@ -45,6 +45,7 @@ from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
+from elastic_ft.train import precision
 from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.preemption import Preemption
 from elastic_ft.train.restore import Restorer, optimizer_tensors
@@ -71,6 +72,7 @@ class Trainer:
     def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
         self.spec, self.opts, self.world = spec, opts, world
         imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
+        precision.check_device(spec.precision, world.device)  # e.g. bfloat16 on a GPU without it
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         events_path = os.path.join(opts.log_dir, "events.jsonl")
         # Every event names its attempt, so a step redone after a restart is told from its first try.
@@ -181,7 +183,8 @@ class Trainer:
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
             with sync:
-                logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                with precision.autocast(spec.precision, w.device):
+                    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 # Shift the (small) labels left rather than slicing the (large) logits,
                 # which would copy them: position t predicts token t+1.
                 targets = F.pad(batch["labels"][:, 1:], (0, 1), value=data_mod.IGNORE)
