@@ -47,6 +47,7 @@ from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train import precision
 from elastic_ft.train.metrics import Metrics, StepResult, number
+from elastic_ft.train.optim import build_adamw
 from elastic_ft.train.preemption import Preemption
 from elastic_ft.train.restore import Restorer, optimizer_tensors
 from elastic_ft.train.resume import ResumePlan, plan_resume
@@ -90,10 +91,7 @@ class Trainer:
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}
-        o = spec.optimizer
-        self.optimizer = torch.optim.AdamW(
-            list(self.trainable.values()), lr=self.plan.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-        )
+        self.optimizer = build_adamw(list(self.trainable.values()), lr=self.plan.lr, cfg=spec.optimizer)
         self.ddp = None
         if world.distributed:
             from torch.nn.parallel import DistributedDataParallel
