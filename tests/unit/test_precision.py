@@ -112,3 +112,18 @@ def test_a_pretrained_base_loads_in_its_frozen_dtype(tmp_path):
     _, low = model_mod.build(spec)
     assert {p.dtype for p in low.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in low.parameters() if p.requires_grad} == {torch.float32}
+
+
+def test_the_trainer_check_raises_one_config_error_naming_the_fields(monkeypatch):
+    """What a worker on a GPU without bfloat16 prints (as every ConfigError: one line per field, exit 2)."""
+    monkeypatch.setattr(precision, "bf16_supported", lambda device: False)
+    with pytest.raises(ConfigError) as err:
+        precision.check_device(load_spec(DEFAULT_SPEC, BF16).precision, torch.device("cuda", 0))
+    assert [f for f, _ in err.value.problems] == ["precision.param_dtype", "precision.compute"]
+    assert "precision.param_dtype: bfloat16 is not supported by this cuda device" in str(err.value)
+
+
+def test_parallelism_strategy_accepts_ddp_only_naming_the_field():
+    assert load_spec(DEFAULT_SPEC, ["parallelism.strategy=ddp"]).parallelism.strategy == "ddp"
+    (field, msg), = problems("parallelism.strategy=fsdp")
+    assert field == "parallelism.strategy" and msg == "'fsdp' is not one of 'ddp'"
