@@ -39,13 +39,12 @@ from elastic_ft.config import JobSpec
 from elastic_ft.events import EventLog, next_attempt
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure
+from elastic_ft.train import departure, precision
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
-from elastic_ft.train import precision
 from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.optim import build_adamw
 from elastic_ft.train.preemption import Preemption
