@@ -3,7 +3,7 @@
 Both run in the same processes, on the same model object and DDP wrapper (the
 trainer's), the same tokenized data and the same batches
 (the cursor's global batch, dealt to ranks as the trainer deals it). The
-baseline is what one would write by hand: DDP, AdamW, Hugging Face's mean loss
+baseline is what one would write by hand: DDP, AdamW (the kernel the trainer picks), Hugging Face's mean loss
 from ``labels=``, ``no_sync`` on all but the last micro-batch, gradient
 clipping, no cross-rank metrics. The trainer's step is
 ``elastic_ft.train.loop.Trainer.step_once`` (LR schedule, global-token loss
@@ -65,8 +65,13 @@ class Baseline:
         self.data, self.world, self.spec = data, world, spec
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = spec.optimizer
+        try:  # the AdamW kernel the trainer picks (fused where the device has it): only the loop differs
+            from elastic_ft.train.optim import implementation
+            impl = implementation(self.params[0].device.type, True)
+        except ImportError:  # a checkout from before the choice: torch's default, as its trainer
+            impl = {}
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **impl)
 
     def step(self, mine: list[int], micro_batch: int) -> float:
         import torch

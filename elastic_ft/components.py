@@ -34,9 +34,10 @@ count against ``max_restarts`` (with c10d it does).
 
 
 import functools
+import os
 import re
 import shlex
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torchx
 import torchx.specs as specs
@@ -111,7 +112,7 @@ def check_rdzv_conf(rdzv_conf: str) -> None:
 def train(
     *overrides: str,
     nnodes: str = "1",
-    nproc_per_node: int = 2,
+    nproc_per_node: int = 0,
     spec: str = "specs/tiny-lora.yaml",
     run_id: Optional[str] = None,
     checkpoint_uri: str = "file://./runs",
@@ -133,7 +134,7 @@ def train(
     Args:
         overrides: job spec overrides as field.path=value, e.g. optimizer.lr=3e-4 steps=200
         nnodes: number of nodes, N or MIN:MAX (elastic: the job goes on while at least MIN remain)
-        nproc_per_node: training processes per node (one per GPU; on CPU, a few)
+        nproc_per_node: training processes per node (one per GPU; on CPU, a few); 0 (default): the node's GPU count (--gpu, or the named host type's), else 2
         spec: job spec YAML (model, data, LoRA, optimizer, batch, steps, checkpoint)
         run_id: stable id of the job across restarts and resubmissions (letters, digits, '.', '_', '-'; at most 128 characters); checkpoints live under checkpoint_uri/run_id (default: the spec's name)
         checkpoint_uri: where runs' checkpoints live: file://./runs, file:///abs/dir or s3://bucket/prefix
@@ -144,21 +145,17 @@ def train(
         replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
         image: container image (local_cwd: ignored, the current directory is used)
         cpu: CPUs per node
-        gpu: GPUs per node
+        gpu: GPUs per node (each process then trains on one, over NCCL; NCCL_*, TORCH_NCCL_*, FI_* and OFI_NCCL_* variables of the submitting environment, e.g. EFA's FI_PROVIDER=efa, are passed to the nodes)
         memMB: memory per node in MB
         h: a named host type (scheduler specific), instead of cpu/gpu/memMB
         env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
         log_dir: directory of events.jsonl (default: the spec's logging.dir, else the run's directory's logs/ for a file:// checkpoint_uri, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)
     """
+    resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
+    nproc_per_node = default_nproc(nproc_per_node, resource.gpu)
     lo, hi = _check_arguments(
-        nnodes=nnodes,
-        nproc_per_node=nproc_per_node,
-        run_id=run_id,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_conf=rdzv_conf,
-        max_restarts=max_restarts,
-        replicas=replicas,
+        nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas,
     )
     cmd = _torchrun_args(
         rdzv_backend=rdzv_backend,
@@ -182,8 +179,8 @@ def train(
                 args=["-c", _bash_line(cmd)],
                 num_replicas=replicas or hi,
                 min_replicas=lo,
-                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
-                env=_job_env(env, nproc_per_node=nproc_per_node),
+                resource=resource,
+                env=_job_env(env, os.environ, nproc_per_node=nproc_per_node),
                 port_map={"c10d": 29500},
                 max_retries=max_restarts,
             )
@@ -234,6 +231,7 @@ def _check_arguments(
     *,
     nnodes: str,
     nproc_per_node: int,
+    gpus: int,
     run_id: Optional[str],
     rdzv_backend: str,
     rdzv_endpoint: Optional[str],
@@ -253,6 +251,12 @@ def _check_arguments(
         check_name(run_id, "--run_id")
     if nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
+    if gpus < 0:
+        raise ValueError(f"--gpu must be 0 or more, got {gpus}")
+    if gpus and nproc_per_node > gpus:
+        # Each process takes the GPU of its LOCAL_RANK: one past the last would fail at start-up on every node.
+        raise ValueError(f"--nproc_per_node {nproc_per_node} is more than the node's {gpus} GPU(s): one process "
+                         f"per GPU; give at most {gpus}, or leave it out")
     if max_restarts < 0:
         raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
     if replicas and not 1 <= replicas <= hi:
@@ -315,8 +319,27 @@ def _worker_args(
     return cmd + list(overrides)
 
 
-def _job_env(env: Optional[Dict[str, str]], *, nproc_per_node: int = 1) -> Dict[str, str]:
-    """The environment of every node: ours, then the user's ``env`` over it."""
+def default_nproc(nproc_per_node: int, gpus: int) -> int:
+    """Processes per node: as given, else (0) one per GPU on a GPU node, else 2 (a CPU node's default).
+
+    0 rather than None: torchx passes an ``Optional[int]`` argument through as a string."""
+    if nproc_per_node != 0:
+        return nproc_per_node
+    return gpus if gpus > 0 else 2
+
+
+PASSTHROUGH_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "OFI_NCCL_")
+"""Variables of the submitting environment copied to every node: NCCL's and torch's NCCL settings, and
+libfabric's (``FI_PROVIDER=efa``, ``FI_EFA_USE_DEVICE_RDMA``) and aws-ofi-nccl's, which EFA needs."""
+
+
+def passthrough_env(environ: Mapping[str, str]) -> Dict[str, str]:
+    """The NCCL and EFA (libfabric) settings of ``environ`` to pass on to the nodes."""
+    return {k: v for k, v in environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
+
+
+def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc_per_node: int = 1) -> Dict[str, str]:
+    """The environment of every node: ours, the NCCL/EFA settings of ``environ``, then the user's ``env``."""
     job_env = {
         # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
         # unless the agent's store is not shared with the rendezvous.
@@ -328,6 +351,7 @@ def _job_env(env: Optional[Dict[str, str]], *, nproc_per_node: int = 1) -> Dict[
         # What torchrun sets itself for more than one process per node, set here so it
         # does not print its four-line banner about it on every start.
         job_env["OMP_NUM_THREADS"] = "1"
+    job_env.update(passthrough_env(environ))
     job_env.update(env or {})
     return job_env
 

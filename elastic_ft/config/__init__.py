@@ -24,12 +24,15 @@ from elastic_ft.config.sections import (
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
+    ParallelismConfig,
+    PrecisionConfig,
     SpotConfig,
 )
 from elastic_ft.config.validation import validate
 
 __all__ = [
     "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig", "InputsConfig",
-    "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "SpotConfig", "apply_overrides",
+    "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig",
+    "SpotConfig", "apply_overrides",
     "load_spec", "spec_from_dict", "validate",
 ]

@@ -28,7 +28,30 @@ class ModelConfig:
     """Tokenizer directory, hub name or ``s3://bucket/prefix/``; default: ``name_or_path``, or the built-in
     byte tokenizer for inline configs."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the base model."""
+    """Legacy: casts the *whole* model (trainable weights and optimizer state too) to this dtype. Prefer the
+    ``precision`` section, which keeps trainable weights and optimizer state in float32; the two cannot be
+    combined."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (non-reentrant
+    ``torch.utils.checkpoint``, works with LoRA): less activation memory for about one more forward pass.
+    The same loss and gradients; not part of the config hash."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class PrecisionConfig:
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the frozen (base) weights. Trainable weights (LoRA adapters, or every weight of a full
+    fine-tune) and their optimizer state stay float32, and checkpoints store them so."""
+    compute: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the forward and backward matmuls (``torch.autocast``); float32 turns autocast off. Must be
+    bfloat16 when ``param_dtype`` is lower than float32. (float16 compute would need loss scaling: not offered.)"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelismConfig:
+    strategy: Literal["ddp"] = "ddp"
+    """How the model is spread over the ranks: ``ddp`` (a full replica per rank, gradients all-reduced).
+    Sharded training (``fsdp``) is not built yet."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -209,6 +232,9 @@ class JobSpec:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     spot: SpotConfig = dataclasses.field(default_factory=SpotConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    """Mixed precision: the dtype of frozen weights and of compute (trainable state stays float32)."""
+    parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
     inputs: InputsConfig = dataclasses.field(default_factory=InputsConfig)
     """Where each node caches the ``s3://`` data files and model directories it fetches, and their bounds."""
 
@@ -223,5 +249,10 @@ class JobSpec:
         for volatile in ("logging", "checkpoint", "spot", "inputs", "name", "steps", "epochs"):
             d.pop(volatile, None)
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
+        d["model"].pop("gradient_checkpointing", None)  # recomputes the same activations
+        # Sections added later hash as before while at their defaults: older runs keep their hash.
+        for section, cls in (("precision", PrecisionConfig), ("parallelism", ParallelismConfig)):
+            if d.get(section) == dataclasses.asdict(cls()):
+                d.pop(section)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

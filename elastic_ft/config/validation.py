@@ -42,6 +42,13 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
          f"may use only the placeholder {{run_id}}, got {_show(spec.logging.dir)}")
     if spec.logging.tensorboard and check_files:  # the machine that trains needs the package, not an exporter
         need((missing := tensorboard_missing()) is None, "logging.tensorboard", str(missing))
+    pr = spec.precision
+    need(m.dtype == "float32" or pr == type(pr)(), "model.dtype",
+         f"casts the whole model and cannot be combined with the precision section; remove model.dtype and "
+         f"set precision.param_dtype: {m.dtype} (trainable weights then stay float32)")
+    need(pr.param_dtype == "float32" or pr.compute != "float32", "precision.compute",
+         f"must be bfloat16 when precision.param_dtype is {pr.param_dtype} (float32 matmuls cannot take "
+         f"{pr.param_dtype} weights)")
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the

@@ -35,13 +35,14 @@ from elastic_ft.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure
+from elastic_ft.train import departure, precision
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.metrics import Metrics, StepResult, number
+from elastic_ft.train.optim import build_adamw
 from elastic_ft.train.preemption import Preemption
 from elastic_ft.train.saving import Saving
 from elastic_ft.train.restore import Restorer
@@ -68,6 +69,7 @@ class Trainer(Saving):
     def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
         self.spec, self.opts, self.world = spec, opts, world
         imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
+        precision.check_device(spec.precision, world.device)  # e.g. bfloat16 on a GPU without it
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
@@ -86,10 +88,7 @@ class Trainer(Saving):
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}
-        o = spec.optimizer
-        self.optimizer = torch.optim.AdamW(
-            list(self.trainable.values()), lr=self.plan.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-        )
+        self.optimizer = build_adamw(list(self.trainable.values()), lr=self.plan.lr, cfg=spec.optimizer)
         self.ddp = None
         if world.distributed:
             from torch.nn.parallel import DistributedDataParallel
@@ -153,7 +152,8 @@ class Trainer(Saving):
         scale = w.size / max(1, global_tokens)
         chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
         net = self.ddp or self.model
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Summed on the device: no host sync per micro-batch, and ready for the metrics' all-reduce.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
         for j, chunk in enumerate(chunks):
             last = j == len(chunks) - 1
@@ -161,7 +161,8 @@ class Trainer(Saving):
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
             with sync:
-                logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                with precision.autocast(spec.precision, w.device):
+                    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 # Shift the (small) labels left rather than slicing the (large) logits,
                 # which would copy them: position t predicts token t+1.
                 targets = F.pad(batch["labels"][:, 1:], (0, 1), value=data_mod.IGNORE)
@@ -171,7 +172,7 @@ class Trainer(Saving):
                 if poison:
                     ce = ce * float("nan")
                 (ce * scale).backward()
-            loss_sum += ce.detach().double().cpu()
+            loss_sum += ce.detach().double()
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
@@ -184,7 +185,8 @@ class Trainer(Saving):
                 "step_skipped", step=self.step, reason=skipped, loss=number(float(loss_sum) / max(1, global_tokens)),
                 grad_norm=number(grad_norm), in_row=self.guard.in_row, skipped_total=self.guard.total,
             )
-            loss_sum = torch.zeros((), dtype=torch.float64)  # its loss is reported above, not in the step metrics
+            # Its loss is reported above, not in the step metrics.
+            loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
             if self.guard.exhausted:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
@@ -201,10 +203,11 @@ class Trainer(Saving):
         """
         params = list(self.trainable.values())
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        grad_norm = float(norm)
+        grad_norm, local_loss = torch.stack([norm.double(), loss_sum]).tolist()  # the one host sync
         if not math.isfinite(grad_norm):
             sum_over_ranks(self.world, loss_sum)
-        reason = self.guard.observe(grad_norm, float(loss_sum) / max(1, global_tokens))
+            local_loss = float(loss_sum)
+        reason = self.guard.observe(grad_norm, local_loss / max(1, global_tokens))
         if reason is None:
             if self.spec.optimizer.grad_clip is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, self.spec.optimizer.grad_clip, norm)

@@ -34,7 +34,8 @@ class StepResult:
     consumed: list | None
     """Per rank, the (epoch, index) samples processed (ledger only)."""
     loss_sum: torch.Tensor
-    """This rank's summed token loss; the global sum once :meth:`Metrics.flush` ran."""
+    """This rank's summed token loss, on the world's device; the global sum (on the host) once
+    :meth:`Metrics.flush` ran."""
     seconds: float = float("nan")
     skipped: str | None = None
     """Why the update was skipped (a non-finite gradient), or None."""
@@ -84,9 +85,9 @@ class Metrics:
         """
         if not self._unreported:
             return
-        sums = torch.stack([r.loss_sum for r in self._unreported])
+        sums = torch.stack([r.loss_sum.to(self.world.device) for r in self._unreported])
         sum_over_ranks(self.world, sums)
-        for r, total in zip(self._unreported, sums):
+        for r, total in zip(self._unreported, sums.cpu()):  # one read of the device for all of them
             r.loss_sum = total
             self.report(r)
         self._unreported.clear()

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from elastic_ft.config import ConfigError, JobSpec, ModelConfig
+from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig
 from elastic_ft.inputs.resolve import InputSource
+from elastic_ft.train import precision
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -69,11 +70,11 @@ def build_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def build_base_model(cfg: ModelConfig, tokenizer, seed: int):
-    """The base causal LM, deterministic for an inline config and ``seed``."""
+def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype | None = None):
+    """The base causal LM in ``dtype`` (default: ``model.dtype``), deterministic for an inline config and ``seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtype = getattr(torch, cfg.dtype)
+    dtype = dtype or getattr(torch, cfg.dtype)
     if cfg.name_or_path is not None:
         return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)
     inline = dict(cfg.config or {})
@@ -86,6 +87,15 @@ def build_base_model(cfg: ModelConfig, tokenizer, seed: int):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype)
+
+
+def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig):
+    """The base model for ``policy``: a pretrained one loaded straight in its frozen dtype (an 8B model
+    never sits in host memory as float32); an inline one built in float32, as its weights are drawn,
+    and its parameters cast by :func:`precision.apply` (not its buffers: rotary frequencies stay float32)."""
+    if cfg.name_or_path is not None or precision.is_default(policy):
+        return build_base_model(cfg, tokenizer, seed, precision.load_dtype(cfg.dtype, policy))
+    return build_base_model(cfg, tokenizer, seed, torch.float32)
 
 
 def unmatched_targets(module_names: list[str], targets: list[str]) -> list[str]:
@@ -143,8 +153,31 @@ def build(spec: JobSpec, inputs: InputSource | None = None):
             return build(spec, own)
     cfg = inputs.model(spec.model)
     tokenizer = build_tokenizer(cfg)
-    model = apply_lora(build_base_model(cfg, tokenizer, spec.seed), spec)
+    base = build_base(cfg, tokenizer, spec.seed, spec.precision)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
+    model = apply_lora(base, spec)
+    precision.apply(model, spec.precision)
+    # from_pretrained returns a model in eval mode: dropout off, and transformers recomputes
+    # checkpointed layers only in training mode.
+    model.train()
     return tokenizer, model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass (torch's non-reentrant checkpoint).
+
+    Non-reentrant: LoRA weights inside a checkpointed layer get their gradients although the
+    layer's input comes from a frozen embedding (transformers also hooks the embedding's
+    output to require grad, as peft's ``enable_input_require_grads`` does). Dropout masks
+    are replayed from the saved RNG state, so the loss is unchanged. The KV cache is off:
+    it would keep what checkpointing frees.
+    """
+    if not model.supports_gradient_checkpointing:
+        raise ConfigError([("model.gradient_checkpointing", f"{type(model).__name__} does not support it; "
+                                                            f"set it to false")])
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

@@ -44,12 +44,23 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict) -> dict[str
 
 
 def load_optimizer_tensors(optimizer: torch.optim.Optimizer, params: dict, tensors: dict) -> None:
-    """Put :func:`optimizer_tensors`' output back; raises ValueError naming a parameter this model lacks."""
+    """Put :func:`optimizer_tensors`' output back; raises ValueError naming a parameter this model lacks.
+
+    Through torch's own ``load_state_dict`` (its state keyed by the parameters' positions, mapped here from
+    their names): torch then places each value by its rules, states in the parameter's dtype and device and
+    ``step`` on the host unless the optimizer is fused or capturable. A ``step`` put on a GPU for a plain
+    AdamW would cost a host sync per parameter per step (it reads ``step.item()``).
+    """
+    position = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state: dict[int, dict] = {}
     for key, value in tensors.items():
         name, _, field = key.rpartition("::")
         if name not in params:
             raise ValueError(f"checkpoint optimizer state names parameter {name!r}, which this model does not train")
-        optimizer.state[params[name]][field] = value.to(params[name].device)
+        state.setdefault(position[id(params[name])], {})[field] = value
+    full = optimizer.state_dict()
+    full["state"] = state
+    optimizer.load_state_dict(full)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -2,6 +2,12 @@
 
 Every collective here is a no-op on a single process (no torchrun), so the
 trainer reads the same with one rank or many.
+
+The default group is NCCL on GPU hosts and gloo otherwise, and NCCL takes only
+CUDA tensors: every tensor handed to it is on ``World.device`` (the rule
+tests/unit/test_collective_devices.py checks around the real step), and object
+collectives name that device rather than rely on ``torch.cuda.set_device``.
+(Background saves use a gloo group of their own, with host tensors.)
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def broadcast_from_leader(world: World, value):
     if not world.distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=world.device)
     return box[0]
 
 
@@ -77,13 +83,18 @@ def gather_from_all(world: World, value) -> list:
     if not world.distributed:
         return [value]
     out = [None] * world.size
+    # all_gather_object has no device argument: NCCL uses the current CUDA device, which init_world set.
     dist.all_gather_object(out, value)
     return out
 
 
 def sum_over_ranks(world: World, t: torch.Tensor) -> None:
-    """All-reduce a host tensor in place (through the device for NCCL, which reduces no host memory)."""
+    """All-reduce ``t`` in place: directly when it is on the world's device, else through it (NCCL
+    reduces no host memory)."""
     if not world.distributed:
+        return
+    if t.device == world.device:
+        dist.all_reduce(t)
         return
     on_device = t.to(world.device)
     dist.all_reduce(on_device)

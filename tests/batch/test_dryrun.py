@@ -58,7 +58,7 @@ def test_the_container_runs_torchrun_on_etcd3_with_the_run_id_and_s3_checkpoints
 
 def test_no_multinode_macros_ports_or_instance_types():
     """Batch runs EC2 container jobs on the host's network: the nodes meet at etcd, no port is mapped."""
-    request = dryrun(train_args(gpu="1")).request
+    request = dryrun(train_args(gpu="1", nproc_per_node="1")).request
     text = json.dumps([request.job_definition, request.submit_job])
     for word in [*MNP_WORDS, "portMappings", "instanceType", "${", "rank0"]:
         assert word not in text, word
@@ -81,7 +81,7 @@ def test_one_node_is_a_plain_container_job():
 
 
 def test_replicas_size_the_array_and_gpu_memory_resources():
-    request = dryrun(train_args(replicas="3", gpu="1", memMB="28000", cpu="3")).request
+    request = dryrun(train_args(replicas="3", gpu="1", nproc_per_node="1", memMB="28000", cpu="3")).request
     assert request.submit_job["arrayProperties"] == {"size": 3}
     assert "--nnodes 2:8 " in request.job_definition["containerProperties"]["command"][2]
     assert request.job_definition["containerProperties"]["resourceRequirements"] == [

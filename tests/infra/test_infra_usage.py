@@ -40,7 +40,8 @@ def test_8b_spec_loads_and_validates_through_the_real_loader():
     spec = load_spec(str(SPEC))
     assert spec.name == "llama-3.1-8b-lora"
     assert spec.model.name_or_path.endswith("/Llama-3.1-8B-Instruct") and spec.model.config is None
-    assert spec.model.dtype == "bfloat16"
+    assert spec.model.dtype == "float32" and spec.model.gradient_checkpointing
+    assert (spec.precision.param_dtype, spec.precision.compute) == ("bfloat16", "bfloat16")
     assert spec.lora is not None and spec.lora.r == 16 and spec.lora.alpha == 32
     assert set(spec.lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"}

@@ -105,7 +105,7 @@ def test_overrides_and_options_passed_through():
     assert role.max_retries == 0
 
 
-@pytest.mark.parametrize("kwargs,match", [({"nproc_per_node": 0}, "--nproc_per_node"),
+@pytest.mark.parametrize("kwargs,match", [({"nproc_per_node": -1}, "--nproc_per_node"),
                                           ({"max_restarts": -1}, "--max_restarts"),
                                           ({"nnodes": "x"}, "--nnodes")])
 def test_argument_errors(kwargs, match):
@@ -138,3 +138,41 @@ def test_password_env_in_rdzv_conf_is_passed_through():
     conf = "user=root,password_env=ETCD_PASSWORD,ca_cert=/etc/etcd/ca.pem"
     cmd = command(train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", rdzv_conf=conf))
     assert flag(cmd, "--rdzv_conf") == conf
+
+
+def dryrun_app(*args: str, scheduler: str = "local_cwd"):
+    """torchx's own dry run of ``elastic_ft.train ARGS`` (its argument parsing included): the AppDef it plans."""
+    from torchx.runner import get_runner
+
+    with get_runner() as runner:
+        return runner.dryrun_component("elastic_ft.train", list(args), scheduler, cfg={})._app
+
+
+def test_gpu_nodes_run_one_process_per_gpu_by_default():
+    app = dryrun_app("--gpu", "4")
+    (role,) = app.roles
+    assert role.resource.gpu == 4
+    assert flag(command(app), "--nproc_per_node") == "4"
+    assert flag(command(dryrun_app("--gpu", "4", "--nproc_per_node", "2")), "--nproc_per_node") == "2"
+    assert flag(command(dryrun_app()), "--nproc_per_node") == "2"  # a CPU node's default
+
+
+def test_more_processes_than_gpus_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"--nproc_per_node 8 is more than the node's 4 GPU\(s\)"):
+        train(gpu=4, nproc_per_node=8)
+    with pytest.raises(ValueError, match="--gpu must be 0 or more"):
+        train(gpu=-1)
+
+
+def test_nccl_and_efa_settings_of_the_submitter_reach_the_nodes(monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("FI_PROVIDER", "efa")
+    monkeypatch.setenv("FI_EFA_USE_DEVICE_RDMA", "1")
+    monkeypatch.setenv("OFI_NCCL_DISABLE_GDR_REQUIRED_CHECK", "1")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    monkeypatch.setenv("ELASTIC_FT_UNRELATED", "x")
+    (role,) = dryrun_app("--gpu", "8", "--env", "NCCL_DEBUG=WARN").roles
+    assert role.env["FI_PROVIDER"] == "efa" and role.env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert role.env["OFI_NCCL_DISABLE_GDR_REQUIRED_CHECK"] == "1" and role.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert role.env["NCCL_DEBUG"] == "WARN"  # --env wins over the submitting environment
+    assert "ELASTIC_FT_UNRELATED" not in role.env
