@@ -49,6 +49,7 @@ def test_the_container_runs_torchrun_on_etcd3_with_the_run_id_and_s3_checkpoints
     assert env.pop("TORCHX_JOB_ID").startswith(f"aws_batch://torchx/{name}-")
     assert env == {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
+        "OMP_NUM_THREADS": "1",  # 2 processes per node: what torchrun would set, without its banner
         "TORCHX_ROLE_IDX": "0", "TORCHX_ROLE_NAME": "trainer",
     }
     assert container["resourceRequirements"] == [{"type": "VCPU", "value": "2"}, {"type": "MEMORY", "value": "8192"}]
