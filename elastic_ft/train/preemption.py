@@ -244,7 +244,8 @@ class Preemption:
                 trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
         stays = _node() not in leaving
         if self.marker:  # only after the commit: the agent leaves for good on it, or restarts this node's workers
-            write_marker(self.marker, LeaveMarker(kind=notice.kind, step=trainer.step, stays=stays))
+            write_marker(self.marker, LeaveMarker(kind=notice.kind, step=trainer.step, stays=stays,
+                                                  leaving=tuple(sorted(int(n) for n in leaving)) if stays else ()))
         self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
                          leaving_nodes=sorted(leaving), seconds=round(time.monotonic() - t0, 3))
         if self.marker and stays:
