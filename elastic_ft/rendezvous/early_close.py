@@ -115,6 +115,8 @@ class EarlyCloseExecutor:
         self._inner.run(state_handler, deadline, update_deadline)
 
     def __getattr__(self, name: str) -> Any:  # torch's executor's own attributes (its state holder)
+        if name == "_inner":  # not set yet (a copy being built): no endless lookup
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

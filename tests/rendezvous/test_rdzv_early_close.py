@@ -9,7 +9,7 @@ against a last call long enough to tell the two apart.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -83,19 +83,14 @@ def settings(min_nodes=1, max_nodes=3) -> RendezvousSettings:
 def test_the_wrapped_join_completes_where_torchs_would_wait_and_is_torchs_otherwise():
     join = CloseWhenExpected(_RendezvousJoinOp(), frozenset({B}))
     deadline = time.monotonic() + 60
-    ready = open_round([B])
-    ready.last_heartbeats = {B: ready_heartbeat()}
-    ready.deadline = ready_heartbeat() + timedelta(seconds=30)
+    now = datetime.now(timezone.utc)
+    ready = open_round([B])  # B alone, its last call 30 s away: torch's join waits
+    ready.last_heartbeats = {B: now}
+    ready.deadline = now + timedelta(seconds=30)
     assert _RendezvousJoinOp()(_RendezvousContext(B, ready, settings()), deadline) == _Action.SYNC
     assert join(_RendezvousContext(B, ready, settings()), deadline) == _Action.MARK_RENDEZVOUS_COMPLETE
     outsider = open_round([])
     assert join(_RendezvousContext(B, outsider, settings()), deadline) == _Action.ADD_TO_PARTICIPANTS
-
-
-def ready_heartbeat():
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc)
 
 
 def test_the_executor_wraps_only_the_join_and_only_while_expecting():
