@@ -5,7 +5,7 @@ training the tiny spec (specs/tiny-lora.yaml) with file:// checkpoints, each
 node with its own local IMDS (tests/spot/imds_server.py), everything on
 127.0.0.1 (the chaos cluster of tests/chaos/cluster.py). The rendezvous and
 spot settings are the product's defaults (keep-alive 2 s x 3, last call 3 s,
-IMDS polled every 2 s) unless --rdzv-conf says otherwise.
+IMDS polled every second) unless --rdzv-conf says otherwise.
 
 Every ``--interval`` seconds (first at half of it) one node is preempted, in
 the order of ``--events``:
@@ -261,7 +261,7 @@ def report(args: argparse.Namespace, events: list[dict], done: list[dict], base_
     lines = [
         f"Preemption bench: nodes nproc {','.join(map(str, args.nprocs))} (world {full}) on etcd3, tiny spec, "
         f"file:// checkpoints; rdzv-conf {args.rdzv_conf or '(defaults: keep-alive 2 s x 3, last call 3 s)'}; "
-        f"spot poll 2 s",
+        f"spot poll 1 s",
         "",
         recovery_table(recoveries, done, joins),
         "",

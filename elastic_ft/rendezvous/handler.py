@@ -54,6 +54,7 @@ from ..spot.leave import (  # noqa: E402
 )
 from ..train.departure import LOST_NODES_ENV  # noqa: E402
 from .departure import NodeLeft, hand_leave_file, peers_leave  # noqa: E402
+from .early_close import EarlyCloseExecutor, staying_members  # noqa: E402
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen  # noqa: E402
 from .liveness import LossDetection  # noqa: E402
 from .store import WritersLostError  # noqa: E402
@@ -85,6 +86,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
     ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
 
     _peers_left: LeaveMarker | None = None  # other nodes left on a notice: read before this round
+    _members: dict | None = None  # the last round this node joined: each member's rank
 
     leave_file: str | None = None
     """The leave marker this agent's workers write when the node leaves on a spot notice
@@ -94,7 +96,8 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
     # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
     # ``_state_holder`` (the rendezvous state, to judge lost and closed nodes),
     # ``_heartbeat_lock`` (the keep-alive thread syncs that holder too),
-    # ``_this_node`` (this node's descriptor), ``_op_executor`` (to run LeaveOp),
+    # ``_this_node`` (this node's descriptor), ``_op_executor`` (to run LeaveOp; wrapped to close a
+    # round early after a leave),
     # ``_stop_heartbeats()`` (shutdown() without closing) and the ``_get_store()``
     # hook (the one call made when a round completes).
 
@@ -163,21 +166,24 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         """
         self._leave_if_told(AT_ROUND)
         deadline = time.monotonic() + self.settings.timeout.join.total_seconds()
-        while True:
-            try:
-                info = super().next_rendezvous()
-                self._meet(info)
-                return info
-            except RendezvousClosedError:
-                self._reopen_closed(deadline)
-            except WritersLostError as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning(
-                    "Rendezvous %r: %s Starting a new round without the lost node(s).",
-                    self.settings.run_id,
-                    exc,
-                )
+        # After other nodes left on a notice, the round closes once the rest are in (see early_close).
+        left = self._peers_left
+        self._op_executor.expected = left and staying_members(self._members, left.leaving, left.kind)
+        try:
+            while True:
+                try:
+                    info = super().next_rendezvous()
+                    self._meet(info)
+                    return info
+                except RendezvousClosedError:
+                    self._reopen_closed(deadline)
+                except WritersLostError as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("Rendezvous %r: %s Starting a new round without the lost node(s).",
+                                self.settings.run_id, exc)
+        finally:
+            self._op_executor.expected = None
 
     def _meet(self, info: RendezvousInfo) -> None:
         """Return from a round only once every participant has reached it.
@@ -201,6 +207,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         """See base class (a private hook: torch calls it once a round is complete); remember its members."""
         state = self._state_holder.state
         previous, self._joined = self._joined, (state.round, frozenset(state.participants))
+        self._members = dict(state.participants)  # node -> rank: the ranks a leave marker names
         self._last_seen = dict(state.last_heartbeats)
         # The workers torch starts next inherit this process' environment: they
         # say which node left in their resume line (elastic_ft.train.departure).
@@ -383,6 +390,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # private node descriptor (_NodeDesc), which from_backend generates.
     holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage)
     handler._state_holder = handler._op_executor._state_holder = holder
+    handler._op_executor = EarlyCloseExecutor(handler._op_executor)
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.
     store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)
     from ..doctor.startup import report_at_startup  # hostname, interfaces, versions: warnings only

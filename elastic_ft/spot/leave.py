@@ -76,6 +76,9 @@ class LeaveMarker:
     """The step committed before the leave."""
     stays: bool = False
     """Written by the workers of a node that stays while others leave: its agent restarts them (see above)."""
+    leaving: tuple[int, ...] = ()
+    """In a marker that stays: the ranks in the round (``GROUP_RANK``) of the nodes that leave, so that the
+    next round closes once the others are in (:mod:`elastic_ft.rendezvous.early_close`)."""
 
 
 def _file_name_part(run_id: str) -> str:
@@ -116,7 +119,8 @@ def write_marker(path: str, marker: LeaveMarker) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"kind": marker.kind, "step": marker.step, "stays": marker.stays}, f)
+        json.dump({"kind": marker.kind, "step": marker.step, "stays": marker.stays, "leaving": list(marker.leaving)},
+                  f)
     os.replace(tmp, path)
 
 
@@ -125,7 +129,8 @@ def read_marker(path: str) -> LeaveMarker | None:
     try:
         with open(path) as f:
             doc = json.load(f)
-        return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]), stays=doc.get("stays") is True)
+        return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]), stays=doc.get("stays") is True,
+                           leaving=tuple(int(r) for r in doc.get("leaving", ())))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:

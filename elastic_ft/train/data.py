@@ -1,4 +1,5 @@
-"""Training data: load texts with ``datasets``, tokenize into fixed-length samples.
+"""Training data: load texts (JSON Lines directly, anything else with ``datasets``), tokenize into
+fixed-length samples.
 
 Every rank loads and tokenizes the whole (small to medium) dataset itself, so
 any rank can take any sample the cursor deals it: there are no shards to
@@ -15,7 +16,9 @@ import torch
 
 from elastic_ft.config import DataConfig
 from elastic_ft.inputs.resolve import InputSource, default_source
-from elastic_ft.train.datafiles import DataError, check_files, kind_of, missing_field_error, needed_fields
+from elastic_ft.train.datafiles import (
+    DataError, check_files, kind_of, missing_field_error, needed_fields, read_json_lines,
+)
 
 IGNORE = -100
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
@@ -37,8 +40,28 @@ class TokenizedData:
         return {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "attention_mask": self.attention_mask[idx]}
 
 
+class JsonLinesRecords:
+    """Records of JSON Lines files read without ``datasets`` (:func:`read_json_lines`): what
+    :func:`tokenize` reads of a ``datasets.Dataset``, its column names and a column by name."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(k for row in rows for k in row))
+
+    def __getitem__(self, field: str) -> list:
+        return [row.get(field) for row in self.rows]  # a record without the field: null, as in Arrow
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 def load_records(cfg: DataConfig):
-    """The raw ``datasets.Dataset`` of the spec's files or hub dataset."""
+    """The records of the spec's files or hub dataset: a ``datasets.Dataset``, or for JSON Lines files
+    :class:`JsonLinesRecords` (the same texts, in the same order)."""
+    fmt = None if cfg.dataset else _local_format(cfg)
+    rows = read_json_lines(list(cfg.files)) if fmt == "json" else None
+    if rows is not None:
+        return JsonLinesRecords(rows)
     import datasets
 
     datasets.disable_progress_bars()
@@ -47,6 +70,14 @@ def load_records(cfg: DataConfig):
             return datasets.load_dataset(cfg.dataset, split=cfg.split)
         except Exception as exc:
             raise DataError(f"data.dataset {cfg.dataset!r} (split {cfg.split!r}) could not be loaded: {exc}") from exc
+    try:
+        return datasets.load_dataset(fmt, data_files=list(cfg.files), split="train")
+    except Exception as exc:
+        raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {exc}") from exc
+
+
+def _local_format(cfg: DataConfig) -> str:
+    """The format of the spec's local files, once they exist and :func:`check_files` passed them."""
     missing = [f for f in cfg.files if not os.path.isfile(f)]
     if missing:
         raise DataError(f"data.files: {missing[0]!r} does not exist")
@@ -54,10 +85,7 @@ def load_records(cfg: DataConfig):
     if fmt is None:
         raise DataError(f"data.format: cannot infer the format of {cfg.files[0]!r}; set data.format to json, parquet or text")
     check_files(cfg, fmt)
-    try:
-        return datasets.load_dataset(fmt, data_files=list(cfg.files), split="train")
-    except Exception as exc:
-        raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {exc}") from exc
+    return fmt
 
 
 def texts_of(records, field: str) -> list[str]:

@@ -180,6 +180,33 @@ def _check_json_document(path: str, where: str, fields: dict[str, str]) -> None:
     _raise_field_problems(fields, seen, first)
 
 
+def read_json_lines(paths: list[str]) -> list[dict] | None:
+    """Every record of the JSON Lines files ``paths``, in order (blank lines skipped, as Arrow does), or
+    None where a file is something else (one JSON document, a line that is not an object): ``datasets``
+    reads those, as before.
+
+    For files :func:`check_files` passed. Reading them here spares every
+    worker start the import of ``datasets`` and its Arrow cache (about 1.5 s
+    of a worker's start on 2 cores), which the nodes wait for after each
+    change of membership. Python's ``json`` and Arrow's reader give the same
+    strings, in the same order.
+    """
+    rows: list[dict] = []
+    for path in paths:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    value = parse_line(raw, first=lineno == 1)
+                except LineProblem:
+                    return None
+                if value is BLANK:
+                    continue
+                if not isinstance(value, dict):
+                    return None
+                rows.append(value)
+    return rows
+
+
 def _check_text(path: str, where: str) -> None:
     blank = True
     with open(path, "rb") as f:

@@ -1,8 +1,8 @@
 """The trainer's side of spot preemption: agree on notices at step boundaries, then act on the policy.
 
 Every rank has a :class:`~elastic_ft.spot.watcher.Watcher` (IMDS) and a SIGTERM
-handler posting to its own notice board. At step boundaries about a second
-apart (:func:`agree_every`; every boundary while a notice stands) the ranks
+handler posting to its own notice board. At step boundaries about half a
+second apart (:func:`agree_every`; every boundary while a notice stands) the ranks
 agree in one collective, an all-reduce MAX of two small integers on the process
 group's device, whether any of them has a notice; only when one has do they
 exchange the notices and follow the leader's :func:`~elastic_ft.spot.policy.decide`.
@@ -108,10 +108,11 @@ def most_urgent(notices: list[Notice]) -> Notice | None:
     return min(notices, key=lambda n: (-n.level, n.deadline is None, n.deadline or 0.0))
 
 
-AGREE_WITHIN_S = 1.0
-"""The longest a notice waits, in steps of this many seconds, before the ranks next agree on it."""
+AGREE_WITHIN_S = 0.5
+"""The longest a notice waits, in steps of this many seconds, before the ranks next agree on it: half a
+second, as every second of it delays the survivors' next step after a leave."""
 
-_MAX_STEP_US = 2**31 - 1  # int32: a step time in us is clamped to it (35 min; any step over 1 s agrees each time)
+_MAX_STEP_US = 2**31 - 1  # int32: a step time in us is clamped to it (35 min; any step over 0.5 s agrees each time)
 
 
 def agree_every(step_s: float) -> int:
@@ -120,8 +121,8 @@ def agree_every(step_s: float) -> int:
     An agreement is an all-reduce and a read of its result (on NCCL a device
     sync), about 0.15 ms on gloo: once per step it costs ~1 % of a 15 ms
     step. Agreeing every ``K`` steps with ``K * step_s <= AGREE_WITHIN_S``
-    keeps it under ~0.02 % while a notice waits at most about a second (a
-    spot notice gives two minutes). A step of ``AGREE_WITHIN_S`` or longer,
+    keeps it under ~0.03 % while a notice waits at most about half a second
+    (a spot notice gives two minutes, but the survivors wait for the leave). A step of ``AGREE_WITHIN_S`` or longer,
     or an unknown one (0: before the first step), agrees at every boundary.
     """
     if step_s <= 0:
@@ -244,7 +245,8 @@ class Preemption:
                 trainer.save(f"spot: {decision.reason}; the save in flight failed", sync=True)
         stays = _node() not in leaving
         if self.marker:  # only after the commit: the agent leaves for good on it, or restarts this node's workers
-            write_marker(self.marker, LeaveMarker(kind=notice.kind, step=trainer.step, stays=stays))
+            write_marker(self.marker, LeaveMarker(kind=notice.kind, step=trainer.step, stays=stays,
+                                                  leaving=tuple(sorted(int(n) for n in leaving)) if stays else ()))
         self.events.emit("preempted", step=trainer.step, notice=notice.kind, exit_code=PREEMPTED_EXIT_CODE,
                          leaving_nodes=sorted(leaving), seconds=round(time.monotonic() - t0, 3))
         if self.marker and stays:

@@ -98,3 +98,33 @@ def test_full_fine_tune_exports_a_whole_model_that_a_local_dir_spec_can_train(tm
     base = build_base_model(spec.model, byte_tokenizer(), spec.seed)
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(dict(base.named_parameters())[name], dict(tuned.named_parameters())[name])
+
+
+def test_json_lines_are_read_without_datasets_and_give_what_datasets_gives(tmp_path):
+    """The worker's start skips ``datasets`` for JSON Lines; the samples are those ``datasets`` reads."""
+    import datasets
+
+    rows = [{"q": "héllo \u2603", "a": " wörld", "extra": 1}, {"q": "2+2=", "a": " 4"}, {"a": "x", "q": ""}]
+    path = tmp_path / "pr.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(json.dumps(r) for r in rows).encode() + b"\n\n")
+    cfg = DataConfig(files=[str(path), str(path)], prompt_field="q", response_field="a", max_length=16)
+    records = data_mod.load_records(cfg)
+    assert isinstance(records, data_mod.JsonLinesRecords)
+    via_datasets = datasets.load_dataset("json", data_files=list(cfg.files), split="train")
+    tok = byte_tokenizer()
+    ours, theirs = data_mod.tokenize(records, cfg, tok), data_mod.tokenize(via_datasets, cfg, tok)
+    for name in ("input_ids", "labels", "attention_mask", "target_tokens"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert len(ours) == 6
+
+
+def test_the_default_specs_data_loads_without_importing_datasets():
+    import subprocess
+    import sys
+
+    code = ("import sys; from elastic_ft.config import load_spec; from elastic_ft.train import data; "
+            "from elastic_ft.train.model import byte_tokenizer; "
+            f"d = data.load(load_spec({DEFAULT_SPEC!r}, []).data, byte_tokenizer()); "
+            "print(len(d), 'datasets' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["1024", "False"], done.stderr

@@ -15,7 +15,7 @@ SPEC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 def test_defaults_watch_for_notices():
     spot = load_spec(SPEC).spot
     assert spot.enabled and spot.sigterm and spot.on_rebalance == "checkpoint"
-    assert spot.poll_interval_s == 2.0 and spot.token_ttl_s == 21600 and not spot.train_until_deadline
+    assert spot.poll_interval_s == 1.0 and spot.token_ttl_s == 21600 and not spot.train_until_deadline
 
 
 def test_spot_settings_do_not_change_the_config_hash():

@@ -47,7 +47,7 @@ def test_a_sigterm_leaves_only_at_exit_since_before_a_round_it_was_the_agents_ow
 
 @pytest.mark.parametrize("kind", ["terminate", "sigterm"])
 def test_the_marker_of_a_node_that_stays_never_makes_its_agent_leave(kind, tmp_path):
-    marker = LeaveMarker(kind=kind, step=7, stays=True)
+    marker = LeaveMarker(kind=kind, step=7, stays=True, leaving=(0, 2))  # the ranks of the nodes that go
     assert not honoured(marker, AT_ROUND) and not honoured(marker, AT_EXIT)
     path = marker_path("r", root=str(tmp_path))
     write_marker(path, marker)

@@ -18,6 +18,7 @@ S3 server (SeaweedFS), the other in a local directory.
 from __future__ import annotations
 
 import datetime
+import re
 import shutil
 import signal
 import sys
@@ -44,6 +45,9 @@ pytestmark = [
 WAIT_S = 240.0  # generous bounds: CI's 2 cores are loaded
 # A stale heartbeat only after 1000 s: nothing here may wait for one.
 CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=1000"
+# The notice test's last call: far longer than a round after a leave on a notice may take (it closes
+# once the node that stays is in, elastic_ft.rendezvous.early_close); the other rounds there reach max_nodes.
+LONG_LAST_CALL_S = 30
 LEAVE_ACTIONS = ("checkpoint_and_leave", "flush_and_leave")
 
 
@@ -65,8 +69,9 @@ def imds_pair():
 class Job:
     """Two nodes (nproc 1 and 2) of one run on etcd3, each with its own IMDS."""
 
-    def __init__(self, etcd: EtcdServer, tmp: Path, imds: list[FakeImds], steps: int, s3=None) -> None:
-        self.etcd, self.tmp, self.imds, self.steps = etcd, tmp, imds, steps
+    def __init__(self, etcd: EtcdServer, tmp: Path, imds: list[FakeImds], steps: int, s3=None,
+                 conf: str = CONF) -> None:
+        self.etcd, self.tmp, self.imds, self.steps, self.conf = etcd, tmp, imds, steps, conf
         self.run_id = tmp.name[-60:].strip("-_.") or "leave"
         # Checkpoints in a local directory, or on the S3 server ``s3`` (an S3Endpoint) when given.
         self.checkpoint_uri = f"file://{tmp}/runs" if s3 is None else f"s3://{s3.bucket}/jobs/{self.run_id}"
@@ -79,7 +84,7 @@ class Job:
             str(Path(sys.executable).parent / "torchrun"),
             "--nnodes", "1:2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "etcd3", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
-            "--rdzv-conf", CONF, "--max-restarts", "0", "--monitor-interval", "0.5",
+            "--rdzv-conf", self.conf, "--max-restarts", "0", "--monitor-interval", "0.5",
             "-m", "elastic_ft.worker", "--spec", DEFAULT_SPEC, "--run_id", self.run_id,
             "--checkpoint_uri", self.checkpoint_uri, "--log_dir", str(self.tmp / "logs"),
             f"steps={self.steps}", "checkpoint.every_steps=10", "checkpoint.keep_last=null",
@@ -130,6 +135,26 @@ def check_left_and_resumed(job: Job, kind: str, victim: int) -> tuple[int, int]:
     return left_at, i_resume
 
 
+_AGENT_LINE = re.compile(r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*agent/server/api\.py:\d+\] \[[^\]]*\] "
+                         r"(Rendezvous'ing worker group|Rendezvous complete for workers)")
+
+
+def rendezvous_seconds(agent_log: str) -> list[float]:
+    """Seconds each round of a torchrun agent took, from its log (its own timestamps)."""
+    out, began = [], None
+    for line in agent_log.splitlines():
+        m = _AGENT_LINE.match(line)
+        if m:
+            h, mi, sec, what = m.groups()
+            t = int(h) * 3600 + int(mi) * 60 + float(sec)
+            if what.startswith("Rendezvous'ing"):
+                began = t
+            elif began is not None:
+                out.append((t - began) % 86400)
+                began = None
+    return out
+
+
 def check_exactly_once_to_the_end(job: Job) -> None:
     log = job.events()
     history = replay(log)
@@ -141,7 +166,8 @@ def check_exactly_once_to_the_end(job: Job) -> None:
 def test_terminate_notice_node_leaves_survivor_goes_on_and_the_node_rejoins(etcd, imds_pair, tmp_path):
     # Far more steps than the test runs (it ends with a notice to both nodes):
     # the job must still run when the node, started again, joins.
-    job = Job(etcd, tmp_path, imds_pair, steps=5000)
+    conf = CONF.replace("last_call_timeout=2", f"last_call_timeout={LONG_LAST_CALL_S}")
+    job = Job(etcd, tmp_path, imds_pair, steps=5000, conf=conf)
     try:
         start = wait_for(lambda: job.training_at(3), WAIT_S, "a step at world size 3", job.agents)
         victim_i, victim, survivor = job.holder_of_rank0(start)  # the leader leaves: the harder case
@@ -151,6 +177,9 @@ def test_terminate_notice_node_leaves_survivor_goes_on_and_the_node_rejoins(etcd
         assert "leaves rendezvous" in victim.tail(20000), victim.tail()
         wait_for(lambda: job.training_at(3 - (victim_i + 1)), WAIT_S, "the survivor training alone", [survivor])
         left_at, i_resume = check_left_and_resumed(job, "terminate", victim_i)
+        rounds = rendezvous_seconds(survivor.tail(200000))
+        assert len(rounds) == 2 and rounds[1] < LONG_LAST_CALL_S / 2, (
+            f"the survivor's rounds took {rounds} s: after the leave it waited for the last call")
 
         # A new instance in its place: no notice, the same command. It joins; the
         # survivor's workers commit the current step for the join (SIGTERM from their agent).
