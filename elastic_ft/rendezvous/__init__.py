@@ -1,7 +1,7 @@
 """Rendezvous on etcd v3 for torch elastic: backend, store, handler factory.
 
 ``torchrun --rdzv-backend=etcd3 --rdzv-endpoint=HOST:2379 --rdzv-id=RUN ...``
-finds :func:`elastic_ft.rendezvous.handler.etcd3_handler` through the
+finds :func:`elastic_ft.rendezvous.entry.etcd3_handler` through the
 ``torchrun.handlers`` entry point. The modules, one concept each:
 
 - ``options``: the ``--rdzv-conf`` options, validated into one dataclass.

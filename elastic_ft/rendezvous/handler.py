@@ -1,9 +1,6 @@
-"""The ``torchrun.handlers`` entry point ``etcd3``: builds the rendezvous handler.
+"""The etcd3 rendezvous handler (the ``torchrun.handlers`` entry point is :mod:`.entry`).
 
-pyproject.toml registers ``etcd3 = "elastic_ft.rendezvous.handler:etcd3_handler"``.
-torchrun calls :func:`etcd3_handler` (no arguments) when it loads its
-out-of-tree backends, for every run whatever backend is chosen, so it only
-returns :func:`create_handler` and imports nothing heavy. ``create_handler``
+``create_handler``
 runs when ``--rdzv-backend=etcd3`` is actually used: it parses ``--rdzv-conf``,
 connects to etcd (importing grpcio then; an unreachable endpoint fails
 here, as torch's c10d backend fails when its TCPStore does not answer) and
@@ -21,22 +18,8 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 
-def etcd3_handler() -> Callable[[Any], Any]:
-    """Entry point of group ``torchrun.handlers``: returns the handler creator."""
-
-    def creator(params: Any) -> Any:
-        # Looked up at call time: this module may still be importing (see below).
-        return create_handler(params)
-
-    return creator
-
-
-# Defined before the torch imports below on purpose: importing
-# torch.distributed.elastic.rendezvous loads every ``torchrun.handlers`` entry
-# point, this one included, so when this module is imported first torch finds
-# etcd3_handler on the partially initialised module instead of failing.
-from torch.distributed import Store  # noqa: E402
-from torch.distributed.elastic.rendezvous import (  # noqa: E402
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
@@ -44,20 +27,20 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousInfo,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 
-from ..spot.leave import (  # noqa: E402
+from ..spot.leave import (
     AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, LeaveMarker, clear_marker, honoured, lost_note, read_marker,
 )
-from ..train.departure import LOST_NODES_ENV  # noqa: E402
-from .departure import NodeLeft, hand_leave_file, peers_leave  # noqa: E402
-from .early_close import EarlyCloseExecutor, staying_members  # noqa: E402
-from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen  # noqa: E402
-from .liveness import LossDetection  # noqa: E402
-from .store import WritersLostError  # noqa: E402
+from ..train.departure import LOST_NODES_ENV
+from .departure import NodeLeft, hand_leave_file, peers_leave
+from .early_close import EarlyCloseExecutor, staying_members
+from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen
+from .liveness import LossDetection
+from .store import WritersLostError
 
 log = logging.getLogger(__name__)
 

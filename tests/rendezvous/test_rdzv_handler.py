@@ -5,6 +5,7 @@ the protobuf runtime, and TLS + auth against a real etcd.
 from __future__ import annotations
 
 import os
+import pkgutil
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,7 +18,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_ft.rendezvous.handler import create_handler, etcd3_handler
+import elastic_ft.rendezvous
+from elastic_ft.rendezvous.entry import etcd3_handler
+from elastic_ft.rendezvous.handler import create_handler
 from elastic_ft.rendezvous.options import parse_options
 
 from etcd_server import ROOT_PASSWORD, EtcdServer
@@ -130,6 +133,18 @@ def test_entry_point_is_registered_for_torchrun():
     assert len(found) == 1
     assert found[0].load() is etcd3_handler
     assert callable(etcd3_handler())
+
+
+@pytest.mark.parametrize("module", sorted(
+    m.name for m in pkgutil.iter_modules(elastic_ft.rendezvous.__path__) if m.name != "entry"))
+def test_etcd3_is_registered_whichever_of_our_modules_imports_torchs_rendezvous_first(module):
+    # torch loads the entry points while its rendezvous package initialises; an entry point that imported
+    # our modules found the one being imported half-initialised, and torch dropped etcd3 with a warning.
+    code = (f"import elastic_ft.rendezvous.{module}\n"
+            "from torch.distributed.elastic.rendezvous import registry\n"
+            "print('etcd3' in registry.handler_registry._registry)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr
 
 
 def test_torch_registry_builds_our_handler(etcd, run_id):
