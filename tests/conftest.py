@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import subprocess
 import sys
 
@@ -69,3 +70,12 @@ def run_root(tmp_path) -> str:
     root = tmp_path / "runs"
     root.mkdir()
     return str(root)
+
+
+def png_size(path: str) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk, after checking the signature."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG: {head[:8]!r}"
+    assert head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])

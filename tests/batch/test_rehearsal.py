@@ -13,7 +13,7 @@ on without it, and Batch's retry, attempt 2 of the same child with the same
 command, joins the running job again. Every child then exits 0, the newest
 checkpoint on S3 is the final step's, and the ledger shows every sample
 consumed exactly once, in the cursor's order. ``elastic-ft events`` on the S3 location shows every
-step's event once, the lost leader's included, and ``status`` reports the node loss.
+step's event once, the lost leader's included, ``status`` reports the node loss, and ``plot`` draws it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from elastic_ft.runevents.merge import latest_steps
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.cursor import take
 from tests.checkpoint.s3_servers import aws_env
-from tests.conftest import DEFAULT_SPEC, cli, explain, process_env
+from tests.conftest import DEFAULT_SPEC, cli, explain, png_size, process_env
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
@@ -244,6 +244,16 @@ def test_planned_batch_job_runs_here_loses_a_child_and_its_retry_rejoins(etcd, s
     assert verify.returncode == 0 and f"checkpoint at step {STEPS} OK" in verify.stdout, explain(verify)
     lost_attempt = [e["attempt"] for e in log[:killed_at] if e["event"] == "start"][-1]
     run_events_on_s3_survive_the_lost_leader(uri, env, log, lost_attempt, live)
+    plot_of_the_s3_run(uri, env, str(tmp_path / "run.png"))
+
+
+def plot_of_the_s3_run(uri: str, env: dict[str, str], out: str) -> None:
+    """``elastic-ft plot`` from the S3 location's events: every step, the lost node and the restarts marked."""
+    proc = cli("plot", uri, "--out", out, "--width", "900", "--height", "600", env=env)
+    assert proc.returncode == 0, explain(proc)
+    assert png_size(out) == (900, 600)
+    assert f": {STEPS} steps, " in proc.stdout and "1 node_lost" in proc.stdout, proc.stdout
+    assert f"from {uri}/events/" in proc.stdout, proc.stdout
 
 
 def run_events_on_s3_survive_the_lost_leader(uri: str, env: dict[str, str], log: list[dict], lost_attempt: int,

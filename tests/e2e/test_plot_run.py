@@ -4,25 +4,15 @@ and resumed (the ``resumed_run`` fixture, shared with the goodput test)."""
 from __future__ import annotations
 
 import os
-import struct
 
 import pytest
 
 from elastic_ft.events import read_events
 from elastic_ft.viz.figure import draw
 from elastic_ft.viz.series import run_series
-from tests.conftest import cli, explain
+from tests.conftest import cli, explain, png_size
 
 pytestmark = pytest.mark.slow  # the fixture's two torchrun attempts (~25 s, once per session)
-
-
-def png_size(path: str) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk, after checking the signature."""
-    with open(path, "rb") as f:
-        head = f.read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG: {head[:8]!r}"
-    assert head[12:16] == b"IHDR"
-    return struct.unpack(">II", head[16:24])
 
 
 def kept_steps(events: list[dict]) -> dict[int, dict]:
