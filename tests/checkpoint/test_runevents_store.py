@@ -149,3 +149,18 @@ def test_the_last_shipment_never_raises_and_keeps_what_it_could_not_write(tmp_pa
     (root / "events").unlink()
     shipper.ship_final()
     assert shipper.pending == 0 and [e["event"] for e in read_store_events(LocalStore(str(root)))] == ["end"]
+
+
+def test_a_runs_events_are_read_by_its_location(tmp_path):
+    """``store_events`` (``elastic-ft events``/``status``) and ``load_run_events`` (``goodput``, ``plot``) read
+    the same shipments from a run's URI, and name where they came from."""
+    from elastic_ft.checkpoint.local import LocalStore
+    from elastic_ft.runevents.load import load_run_events, store_events
+
+    uri = f"file://{tmp_path}/run/"
+    (tmp_path / "run").mkdir()
+    shipper = Shipper(LocalStore(str(tmp_path / "run")), 1, writer="w")
+    shipper.write({"ts": 1.0, "event": "start", "attempt": 1})
+    shipper.ship()
+    assert [e["event"] for e in store_events(uri)] == ["start"]
+    assert load_run_events(uri) == (f"file://{tmp_path}/run/events/", store_events(uri))
