@@ -48,9 +48,14 @@ class Shipper:
         self.shipped: list[str] = []
         """Keys written, in order."""
 
-    def write(self, record: dict) -> None:
-        """As an :class:`~elastic_ft.events.EventLog` sink: queue the event (called in emission order)."""
-        line = json.dumps(record, sort_keys=False, default=str)
+    def write(self, record: dict, line: str | None = None) -> None:
+        """As an :class:`~elastic_ft.events.EventLog` sink: queue the event (called in emission order).
+
+        ``line``: the record as the log's file has it, which the store then holds byte for byte;
+        serialised here only when a caller gives none.
+        """
+        if line is None:
+            line = json.dumps(record, sort_keys=False, default=str)
         with self._lock:
             self._pending.append(line)
 

@@ -164,3 +164,26 @@ def test_a_runs_events_are_read_by_its_location(tmp_path):
     shipper.ship()
     assert [e["event"] for e in store_events(uri)] == ["start"]
     assert load_run_events(uri) == (f"file://{tmp_path}/run/events/", store_events(uri))
+
+
+def test_the_store_holds_each_event_as_the_file_wrote_it(tmp_path):
+    """Each event is serialised once, by the log, and the shipper queues that very line (no second
+    json.dumps per step on the leader): a value whose text changes at every str() shows it."""
+    from elastic_ft.checkpoint.local import LocalStore
+
+    class Ticks:
+        n = 0
+
+        def __str__(self) -> str:
+            Ticks.n += 1
+            return f"tick-{Ticks.n}"
+
+    (tmp_path / "run").mkdir()
+    shipper = Shipper(LocalStore(str(tmp_path / "run")), 1, writer="w")
+    log = EventLog(str(tmp_path / "events.jsonl"), run_id="r", attempt=1)
+    log.add_sink(shipper)
+    log.emit("step", quiet=True, step=1, note=Ticks())
+    key = shipper.ship()
+    log.close()
+    assert Ticks.n == 1
+    assert bytes(shipper.store.get(key)) == (tmp_path / "events.jsonl").read_bytes()
