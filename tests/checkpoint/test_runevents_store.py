@@ -40,19 +40,26 @@ def test_attempt_claims_are_unique_and_increasing(backend):
     assert claimed_attempts(store) == [1, 2, 5, 6, 7, 8, 9, 10]
 
 
-def test_s3_a_claim_whose_reply_was_lost_is_ours(s3_servers, s3_env, fault_proxy):
+@pytest.fixture
+def proxied_s3(s3_servers, s3_env, fault_proxy):
+    """``(store, proxy)``: an S3 store on moto whose requests pass the fault proxy."""
     endpoint = s3_servers.get("moto")
     proxy = fault_proxy(endpoint)
     s3_env(endpoint, endpoint_url=proxy.url)
     store, _ = make_s3_store(endpoint)
     try:
-        # The claim's PUT lands and its reply is lost: the store's retry finds the key taken (412) by our token.
-        proxy.add("drop_after", method="PUT", path=r"/events/attempts/", times=1)
-        assert claim_attempt(store) == 1
-        assert claimed_attempts(store) == [1] and any(s.fault == "drop_after" for s in proxy.seen)
-        assert claim_attempt(store) == 2
+        yield store, proxy
     finally:
         store.close()
+
+
+def test_s3_a_claim_whose_reply_was_lost_is_ours(proxied_s3):
+    store, proxy = proxied_s3
+    # The claim's PUT lands and its reply is lost: the store's retry finds the key taken (412) by our token.
+    proxy.add("drop_after", method="PUT", path=r"/events/attempts/", times=1)
+    assert claim_attempt(store) == 1
+    assert claimed_attempts(store) == [1] and any(s.fault == "drop_after" for s in proxy.seen)
+    assert claim_attempt(store) == 2
 
 
 def _emit_steps(log: EventLog, steps: range) -> None:
@@ -109,31 +116,25 @@ def test_a_save_does_not_commit_until_its_events_are_shipped(backend):
     assert [e["step"] for e in read_store_events(store)] == [1, 2]
 
 
-def test_s3_events_put_refused_fails_the_save_then_a_lost_reply_is_merged_once(s3_servers, s3_env, fault_proxy):
-    endpoint = s3_servers.get("moto")
-    proxy = fault_proxy(endpoint)
-    s3_env(endpoint, endpoint_url=proxy.url)
-    store, _ = make_s3_store(endpoint)
-    try:
-        shipper = Shipper(store, 1, writer="w", attempts=2, backoff_s=0.01)
-        saver = AsyncSaver(CheckpointWriter(store, "r"), before_commit=shipper.before_commit)
-        shipper.write({"ts": 1.0, "event": "step", "step": 1, "attempt": 1})
-        proxy.add("error", method="PUT", path=r"/events/00000001-", times=100)
-        with pytest.raises(SaveFailed, match=r"manifest: .*events \(attempt 1\) not shipped after 2 tries"):
-            saver.save(snapshot(1, 8, {"model": {}}, documents={}, config_hash="h"), "n1")
-        assert list_manifests(store) == [] and shipper.pending == 1
-        proxy.clear()
-        # The events' PUT lands, its reply is lost: the store's retry finds the key taken (412), which is ours.
-        proxy.add("drop_after", method="PUT", path=r"/events/00000001-", times=1)
-        shipper.write({"ts": 2.0, "event": "step", "step": 2, "attempt": 1})
-        saver.save(snapshot(2, 16, {"model": {}}, documents={}, config_hash="h"), "n2")
-        saver.close()
-        assert [i.key for i in list_manifests(store)] == ["manifests/000000000002.json"]
-        assert shipper.pending == 0
-        assert [e["step"] for e in read_store_events(store)] == [1, 2]
-        assert any(s.fault == "drop_after" for s in proxy.seen)
-    finally:
-        store.close()
+def test_s3_events_put_refused_fails_the_save_then_a_lost_reply_is_merged_once(proxied_s3):
+    store, proxy = proxied_s3
+    shipper = Shipper(store, 1, writer="w", attempts=2, backoff_s=0.01)
+    saver = AsyncSaver(CheckpointWriter(store, "r"), before_commit=shipper.before_commit)
+    shipper.write({"ts": 1.0, "event": "step", "step": 1, "attempt": 1})
+    proxy.add("error", method="PUT", path=r"/events/00000001-", times=100)
+    with pytest.raises(SaveFailed, match=r"manifest: .*events \(attempt 1\) not shipped after 2 tries"):
+        saver.save(snapshot(1, 8, {"model": {}}, documents={}, config_hash="h"), "n1")
+    assert list_manifests(store) == [] and shipper.pending == 1
+    proxy.clear()
+    # The events' PUT lands, its reply is lost: the store's retry finds the key taken (412), which is ours.
+    proxy.add("drop_after", method="PUT", path=r"/events/00000001-", times=1)
+    shipper.write({"ts": 2.0, "event": "step", "step": 2, "attempt": 1})
+    saver.save(snapshot(2, 16, {"model": {}}, documents={}, config_hash="h"), "n2")
+    saver.close()
+    assert [i.key for i in list_manifests(store)] == ["manifests/000000000002.json"]
+    assert shipper.pending == 0
+    assert [e["step"] for e in read_store_events(store)] == [1, 2]
+    assert any(s.fault == "drop_after" for s in proxy.seen)
 
 
 def test_the_last_shipment_never_raises_and_keeps_what_it_could_not_write(tmp_path, caplog):
