@@ -11,7 +11,8 @@ from elastic_ft.checkpoint.reader import list_manifests
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
 from elastic_ft.events import EventLog
-from elastic_ft.runevents.layout import claim_attempt, claimed_attempts
+from elastic_ft.checkpoint.errors import StoreError
+from elastic_ft.runevents.layout import claim_attempt, claim_attempt_retrying, claimed_attempts
 from elastic_ft.runevents.load import read_store_events
 from elastic_ft.runevents.shipper import Shipper
 
@@ -60,6 +61,23 @@ def test_s3_a_claim_whose_reply_was_lost_is_ours(proxied_s3):
     assert claim_attempt(store) == 1
     assert claimed_attempts(store) == [1] and any(s.fault == "drop_after" for s in proxy.seen)
     assert claim_attempt(store) == 2
+
+
+def test_s3_the_claim_at_a_workers_start_outlasts_the_stores_own_retries(proxied_s3, caplog):
+    """The store gives up after its 4 attempts (make_s3_store's max_attempts) twice in a row; the claim
+    tries again, logs each failed try, and gets its number; past its tries it says how many."""
+    store, proxy = proxied_s3
+    proxy.add("slowdown", method="PUT", path=r"/events/attempts/", times=4)
+    with pytest.raises(StoreError, match="failed after 4 attempts"):  # the store's own retries alone
+        claim_attempt(store)
+    proxy.add("slowdown", method="PUT", path=r"/events/attempts/", times=2 * 4)
+    assert claim_attempt_retrying(store, tries=3, backoff_s=0.01) == 1
+    assert claimed_attempts(store) == [1]
+    assert [r.getMessage().split(" failed")[0] for r in caplog.records if "try " in r.getMessage()] == \
+        [f"claiming the attempt number in {store.join('events/attempts/')}: try {n} of 3" for n in (1, 2)]
+    proxy.add("slowdown", method="PUT", path=r"/events/attempts/", times=100)
+    with pytest.raises(StoreError, match=r"^the attempt number not claimed after 2 tries: "):
+        claim_attempt_retrying(store, tries=2, backoff_s=0.01)
 
 
 def _emit_steps(log: EventLog, steps: range) -> None:
