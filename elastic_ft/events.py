@@ -43,7 +43,9 @@ class Sink(Protocol):
     """Where else an :class:`EventLog` sends each record (the store's shipper, TensorBoard): must not raise,
     nor block for long."""
 
-    def write(self, record: dict) -> None: ...
+    def write(self, record: dict, line: str) -> None:
+        """``line``: the record as the file has it (JSON, no newline), serialised once for the file and
+        every sink (the leader emits per step)."""
 
     def close(self) -> None: ...
 
@@ -76,7 +78,7 @@ class EventLog:
             if self._file is not None:
                 self._file.write(line + "\n")
             for sink in self._sinks:  # under the lock: a sink sees the records in the file's order
-                sink.write(record)
+                sink.write(record, line)
         if not quiet:
             shown = self._file is not None or (self.node_head and event in NODE_EVENTS)
             log.log(logging.INFO if shown else logging.DEBUG, "%s", console_line(record))

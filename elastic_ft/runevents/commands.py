@@ -33,21 +33,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=status_command)
 
 
-def _store_events(uri: str) -> list[dict]:
-    from elastic_ft.checkpoint.store import open_store
-    from elastic_ft.runevents.load import read_store_events
-
-    store = open_store(uri.rstrip("/"))
-    try:
-        return read_store_events(store)
-    finally:
-        store.close()
-
-
 def events_command(args: argparse.Namespace) -> int:
+    from elastic_ft.runevents.load import store_events
     from elastic_ft.runevents.merge import latest_steps
 
-    events = _store_events(args.uri)
+    events = store_events(args.uri)
     if not events:
         print(f"elastic-ft: no events at {args.uri.rstrip('/')}/events/ (a run's location is "
               f"<checkpoint_uri>/<run_id>; runs before this version kept them only in their events.jsonl)",
@@ -85,10 +75,11 @@ def _checkpoints(uri: str) -> tuple:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    from elastic_ft.runevents.load import store_events
     from elastic_ft.runevents.status import summary
 
     uri = args.uri.rstrip("/")
-    events = _store_events(uri)
+    events = store_events(uri)
     newest, count = _checkpoints(uri)
     if not events and newest is None:
         print(f"elastic-ft: no events and no committed checkpoints at {uri} (a run's location is "

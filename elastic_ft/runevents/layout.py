@@ -25,7 +25,9 @@ import socket
 import time
 import uuid
 
-from elastic_ft.checkpoint.errors import ObjectExists, ObjectNotFound
+import tenacity
+
+from elastic_ft.checkpoint.errors import ObjectExists, ObjectNotFound, StoreError
 from elastic_ft.checkpoint.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,29 @@ def claim_attempt(store: ObjectStore, at_least: int = 1, *, writer: str | None =
             n += 1
     raise RuntimeError(f"could not claim an attempt number in {store.join(ATTEMPTS_PREFIX)}: "
                        f"{MAX_CLAIM_TRIES} numbers in a row were taken by other leaders")
+
+
+def claim_attempt_retrying(store: ObjectStore, at_least: int = 1, *, tries: int = 3, backoff_s: float = 1.0) -> int:
+    """:func:`claim_attempt`, tried ``tries`` times with exponential backoff while the store fails.
+
+    At a worker's start, the store's own retries (a few seconds on S3) are all that stands between a
+    short outage and a failed start of every rank; a claim made anyway, whose reply was lost, is found
+    by the next try as ours (one token for every try). Raises :class:`StoreError` naming the count.
+    """
+    writer = new_writer()
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(tries),
+        wait=tenacity.wait_exponential(multiplier=backoff_s, max=8),
+        retry=tenacity.retry_if_exception_type(StoreError),
+        before_sleep=lambda rs: log.warning("claiming the attempt number in %s: try %d of %d failed (%s); retrying",
+                                            store.join(ATTEMPTS_PREFIX), rs.attempt_number, tries,
+                                            rs.outcome.exception()),
+        reraise=True,
+    )
+    try:
+        return retrying(claim_attempt, store, at_least, writer=writer)
+    except StoreError as exc:
+        raise StoreError(f"the attempt number not claimed after {tries} tries: {exc}") from exc
 
 
 def _claimed_by(store: ObjectStore, key: str) -> str | None:

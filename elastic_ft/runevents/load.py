@@ -20,6 +20,17 @@ def read_store_events(store: ObjectStore) -> list[dict]:
     return merge(zip(keys, texts))
 
 
+def store_events(uri: str) -> list[dict]:
+    """:func:`read_store_events` of the run at ``uri`` (``file://...``, ``s3://...``), opening and closing its store."""
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(uri.rstrip("/"))
+    try:
+        return read_store_events(store)
+    finally:
+        store.close()
+
+
 def load_run_events(run: str, environ: Mapping[str, str] | None = None) -> tuple[str, list[dict]]:
     """``(where they came from, events)`` of a run, every attempt's, in order.
 
@@ -34,15 +45,9 @@ def load_run_events(run: str, environ: Mapping[str, str] | None = None) -> tuple
     from elastic_ft.goodput import find_events
 
     if "://" in run:
-        from elastic_ft.checkpoint.store import open_store
-
-        store = open_store(run.rstrip("/"))
-        try:
-            events = read_store_events(store)
-        finally:
-            store.close()
+        events = store_events(run)
         if events:
-            return store.join(PREFIX), events
+            return f"{run.rstrip('/')}/{PREFIX}", events
     try:
         path = find_events(run, environ)
     except FileNotFoundError as exc:

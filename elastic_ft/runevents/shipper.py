@@ -28,7 +28,7 @@ from typing import Any
 from elastic_ft.checkpoint.errors import ObjectExists, StoreError
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.events import EventLog, next_attempt
-from elastic_ft.runevents.layout import batch_key, claim_attempt, new_writer
+from elastic_ft.runevents.layout import batch_key, claim_attempt_retrying, new_writer
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,14 @@ class Shipper:
         self.shipped: list[str] = []
         """Keys written, in order."""
 
-    def write(self, record: dict) -> None:
-        """As an :class:`~elastic_ft.events.EventLog` sink: queue the event (called in emission order)."""
-        line = json.dumps(record, sort_keys=False, default=str)
+    def write(self, record: dict, line: str | None = None) -> None:
+        """As an :class:`~elastic_ft.events.EventLog` sink: queue the event (called in emission order).
+
+        ``line``: the record as the log's file has it, which the store then holds byte for byte;
+        serialised here only when a caller gives none.
+        """
+        if line is None:
+            line = json.dumps(record, sort_keys=False, default=str)
         with self._lock:
             self._pending.append(line)
 
@@ -132,7 +137,7 @@ def leader_attempt(world: Any, store: ObjectStore, local_next: int | None) -> in
     claimed: tuple[int | None, str | None] = (None, None)
     if world.is_leader:
         try:
-            claimed = (claim_attempt(store, local_next or 1), None)
+            claimed = (claim_attempt_retrying(store, local_next or 1), None)
         except (StoreError, RuntimeError) as exc:
             claimed = (None, f"could not claim this attempt's number in {store.uri}: {exc}")
     attempt, problem = broadcast_from_leader(world, claimed)

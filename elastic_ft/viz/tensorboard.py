@@ -78,7 +78,7 @@ class TensorBoardSink:
         self._writer = self._summary_writer(self.log_dir, purge_step=purge_step, flush_secs=10)
         return self._writer
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, line: str | None = None) -> None:
         if self._summary_writer is None:
             return
         try:

@@ -11,6 +11,10 @@ to see a job continue through node loss and growth without the trainer.
 first time it gets there (a marker file remembers it), as a job whose workers
 fail for good (with ``--max-restarts 0``); run again, the job resumes.
 
+``--stop-file PATH`` ends the job early, after the step in which rank 0 first
+sees the file (every rank learns it in that step's ``all_reduce``): a test
+whose job must outlast a fault it cannot time ends it once its checks passed.
+
 ``--step-time`` paces steps so a test can act while the job runs; the pause
 is the job's simulated compute, not a test waiting for a condition.
 """
@@ -52,6 +56,8 @@ def main() -> None:
     parser.add_argument("--fail-once-at", type=int, default=0)
     parser.add_argument("--pg-timeout", type=float, default=60.0,
                         help="seconds the process group's start and each collective wait for a peer")
+    parser.add_argument("--stop-file", default=None,
+                        help="end after the step in which rank 0 sees this file (instead of at --steps)")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -82,10 +88,11 @@ def main() -> None:
             failed_once.touch()
             raise SystemExit(f"failing before step {step + 1} (--fail-once-at)")
         time.sleep(args.step_time)
-        value = torch.ones(1)
+        stop = rank == 0 and args.stop_file is not None and os.path.exists(args.stop_file)
+        value = torch.tensor([1.0, float(stop)])
         dist.all_reduce(value)
-        if int(value.item()) != world:
-            raise RuntimeError(f"all_reduce gave {value.item()} with world size {world}")
+        if int(value[0].item()) != world:
+            raise RuntimeError(f"all_reduce gave {value[0].item()} with world size {world}")
         step += 1
         if rank == 0:
             # The step's line goes first: a rank 0 killed between the two writes
@@ -95,6 +102,8 @@ def main() -> None:
             tmp = out / "progress.tmp"
             tmp.write_text(str(step))
             os.replace(tmp, out / "progress")
+        if value[1].item() > 0:
+            break
     dist.barrier()
     dist.destroy_process_group()
 

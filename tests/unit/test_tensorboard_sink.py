@@ -4,6 +4,7 @@ the spec's check that the package is installed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -78,8 +79,9 @@ def test_sinks_see_every_record_in_order_and_are_closed_with_the_log():
     seen, closed = [], []
 
     class Sink:
-        def write(self, record):
+        def write(self, record, line):
             seen.append(record["event"])
+            assert json.loads(line) == record
 
         def close(self):
             closed.append(True)
