@@ -23,7 +23,6 @@ import socket
 import time
 
 import torch
-import torch.nn.functional as F
 
 from elastic_ft import faults, goodput
 from elastic_ft.batch.identity import batch_node
@@ -37,6 +36,7 @@ from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure, precision
 from elastic_ft.train import data as data_mod
+from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
@@ -161,14 +161,8 @@ class Trainer(Saving):
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
             with sync:
-                with precision.autocast(spec.precision, w.device):
-                    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                # Shift the (small) labels left rather than slicing the (large) logits,
-                # which would copy them: position t predicts token t+1.
-                targets = F.pad(batch["labels"][:, 1:], (0, 1), value=data_mod.IGNORE)
-                ce = F.cross_entropy(
-                    logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data_mod.IGNORE, reduction="sum",
-                )
+                ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
+                                          autocast=lambda: precision.autocast(spec.precision, w.device))
                 if poison:
                     ce = ce * float("nan")
                 (ce * scale).backward()

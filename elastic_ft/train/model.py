@@ -14,7 +14,7 @@ import torch
 
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig
 from elastic_ft.inputs.resolve import InputSource
-from elastic_ft.train import precision
+from elastic_ft.train import loss, precision
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -157,6 +157,7 @@ def build(spec: JobSpec, inputs: InputSource | None = None):
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(base)
     model = apply_lora(base, spec)
+    loss.check_model(model, cfg.loss_chunk_tokens)
     precision.apply(model, spec.precision)
     # from_pretrained returns a model in eval mode: dropout off, and transformers recomputes
     # checkpointed layers only in training mode.
