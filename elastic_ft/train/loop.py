@@ -82,9 +82,9 @@ class Trainer(Saving):
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
         with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
-            self.tokenizer, self.model = model_mod.build(spec, inputs)
+            self.tokenizer, self.model = model_mod.build(spec, inputs, device=world.device)
             self.data = data_mod.load(spec.data, self.tokenizer, inputs)
-        self.model.to(world.device)
+        self.model.to(world.device)  # an inline model; a pretrained one is there already: no copy
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}
