@@ -20,6 +20,9 @@ from tests.unit.inprocess import train
 
 FULL = ["lora=null"]
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute=bfloat16"]
+# GPT-2: dropout in the decoder, and an output layer tied to the input embedding (its gradient has two sources).
+GPT2 = ["model.config={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2, n_positions: 64}",
+        "lora.target_modules=[c_attn, lm_head]"]
 
 
 def _setup(*overrides: str):
@@ -31,6 +34,7 @@ def _setup(*overrides: str):
 
 def _loss_and_grads(spec, model, batch, chunk_tokens):
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks in the decoder for both paths
     ce = loss_mod.summed_loss(model, model, batch, chunk_tokens=chunk_tokens,
                               autocast=lambda: precision.autocast(spec.precision, torch.device("cpu")))
     ce.backward()
@@ -39,9 +43,13 @@ def _loss_and_grads(spec, model, batch, chunk_tokens):
 
 
 # LoRA (lm_head is one of the default spec's targets: the adapter runs inside every chunk) and a full
-# fine-tune; 7 tokens does not divide the micro-batch, 10**6 is one chunk. float32 compute: only the
-# order of the final sum differs, so 1e-5. bfloat16 autocast: the same per-row bf16 matmuls, 1e-2.
-@pytest.mark.parametrize("overrides, rtol", [([], 1e-5), (FULL, 1e-5), (BF16, 1e-2)], ids=["lora", "full", "bf16"])
+# fine-tune; with activation checkpointing; GPT-2. 7 tokens does not divide the micro-batch, 10**6 is one
+# chunk. float32 compute: only the order of the final sum differs, so 1e-5. bfloat16 autocast: the same
+# per-row bf16 matmuls, 1e-2.
+@pytest.mark.parametrize("overrides, rtol", [
+    ([], 1e-5), (FULL, 1e-5), (BF16, 1e-2), (["model.gradient_checkpointing=true"], 1e-5), (GPT2, 1e-5),
+    ([*GPT2, "lora=null"], 1e-5),
+], ids=["lora", "full", "bf16", "activation-checkpointing", "gpt2-tied-lora", "gpt2-tied-full"])
 @pytest.mark.parametrize("chunk", [7, 10**6])
 def test_same_loss_and_gradients_as_the_whole_logits(overrides, rtol, chunk):
     spec, model, batch = _setup(*overrides)
@@ -49,7 +57,10 @@ def test_same_loss_and_gradients_as_the_whole_logits(overrides, rtol, chunk):
     loss, grads = _loss_and_grads(spec, model, batch, chunk)
     assert plain_loss.dtype == loss.dtype == torch.float32
     torch.testing.assert_close(loss, plain_loss, rtol=rtol, atol=0)
-    assert grads.keys() == plain_grads.keys() and any("lm_head" in n for n in grads)
+    assert grads.keys() == plain_grads.keys()
+    # The output layer's trained weights (a LoRA adapter, or a weight tied to the input embedding) are compared.
+    output = {id(p) for p in model.get_output_embeddings().parameters() if p.requires_grad}
+    assert [n for n, p in model.named_parameters() if id(p) in output and n in grads]
     for name, g in grads.items():
         torch.testing.assert_close(g, plain_grads[name], rtol=rtol, atol=rtol * plain_grads[name].abs().max(),
                                    msg=name)
