@@ -21,6 +21,14 @@ CPU time (which leaves out time spent waiting for a core on a busy machine),
 each with its median, interquartile range and a bootstrap 95% interval of
 the median (robust when the machine's load swings during the run).
 
+``--hf`` then compares the trainer's step with Hugging Face's
+``transformers.Trainer`` training the same model object on the same tokenized
+data with the same global batch (micro-batches and accumulation), AdamW kernel,
+schedule, clipping and logging cadence, no saving or reporting: its
+``train()`` runs, and every ``--block`` of its steps a callback runs a block of
+the trainer's steps, so the two alternate as above. A step of ``transformers.Trainer``
+is timed from one ``on_step_end`` to the next, which covers its data loading and logging.
+
 The trainer's step is what ``Trainer.run`` does per step: the spot boundary
 (the ranks' notice agreement, where the checkout has one) and ``step_once``.
 The script measures whatever ``elastic_ft`` is first on the path
@@ -28,7 +36,7 @@ The script measures whatever ``elastic_ft`` is first on the path
 the "before" commit run alternately with the current tree. ``--profile``
 prints a cProfile of rank 0's trainer steps.
 
-    python bench/step_overhead.py [--steps 200] [--block 5] [--world 2] [--profile] [--spec specs/tiny-lora.yaml]
+    python bench/step_overhead.py [--steps 200] [--block 5] [--world 2] [--profile] [--hf] [--spec specs/tiny-lora.yaml]
 """
 
 from __future__ import annotations
@@ -169,17 +177,92 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
         for name in (order if b % 2 == 0 else order[::-1]):
             with prof(name):
                 timed(steps[name], args.block, wall[name], cpu[name])
+    hf: dict[str, list[float]] = {}
+    if args.hf:
+        hf = _against_hf(spec, trainer, lambda: timed(trainer_step, args.block, hf["trainer"], hf["trainer_cpu"]),
+                         args, tmp, hf)
     if world.is_leader:
         with open(result_path, "w") as f:
             import json
 
             json.dump({"trainer": wall["trainer"], "baseline": wall["baseline"], "trainer_cpu": cpu["trainer"],
                        "baseline_cpu": cpu["baseline"], "setup_s": setup_s, "plan": plan.to_dict(),
-                       "threads": torch.get_num_threads()}, f)
+                       "threads": torch.get_num_threads(), "hf": hf}, f)
     prof.report()
     trainer.close()
     if world.distributed:
         dist.destroy_process_group()
+
+
+class _Indices:
+    """The dataset ``transformers.Trainer`` samples: sample indices, batched by the trainer's own ``data.batch``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _against_hf(spec, trainer, trainer_block, args, tmp: str, out: dict) -> dict:
+    """``transformers.Trainer`` on the trainer's model, data and batch, a block of the trainer's steps after
+    each block of its own (a callback): the step times of both, into ``out``."""
+    import transformers
+    from transformers import TrainerCallback, TrainingArguments
+
+    out.update(trainer=[], trainer_cpu=[], hf=[], hf_cpu=[])
+    state = {"n": 0, "last": None}
+    plan = trainer.plan
+    forwards: list[int] = []  # the micro-batch sizes of transformers.Trainer's last step: the same work as ours
+    hook = trainer.model.register_forward_pre_hook(
+        lambda _m, _a, kw: forwards.append(kw["input_ids"].shape[0]), with_kwargs=True)
+
+    class Interleave(TrainerCallback):
+        def on_step_end(self, _args, _state, control, **_kw):
+            now, cpu_now = time.perf_counter(), time.process_time()
+            if forwards != [plan.micro_batch] * plan.micro_steps[0]:
+                raise SystemExit(f"transformers.Trainer's step ran micro-batches {forwards}, not the trainer's")
+            state["n"] += 1
+            timed_n = state["n"] - args.warmup
+            if timed_n > 0:
+                out["hf"].append(now - state["last"][0])
+                out["hf_cpu"].append(cpu_now - state["last"][1])
+                if timed_n % args.block == 0:
+                    trainer_block()
+            forwards.clear()
+            state["last"] = (time.perf_counter(), time.process_time())
+            return control
+
+    o = spec.optimizer
+    from elastic_ft.train.optim import implementation
+
+    fused = implementation(trainer.world.device.type, True).get("fused", False)
+    hf_args = TrainingArguments(
+        output_dir=os.path.join(tmp, "hf"), per_device_train_batch_size=plan.micro_batch,
+        gradient_accumulation_steps=plan.micro_steps[0],
+        max_steps=args.warmup + args.steps, learning_rate=plan.lr, weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps, max_grad_norm=o.grad_clip or 0.0,
+        lr_scheduler_type=o.schedule, warmup_steps=o.warmup_steps, optim="adamw_torch_fused" if fused else "adamw_torch",
+        logging_strategy="steps", logging_steps=spec.logging.every_steps, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, seed=spec.seed, use_cpu=trainer.world.device.type == "cpu",
+        remove_unused_columns=False,
+        # Its DDP (under torchrun it wraps the model in one of its own, over the same process group) as the
+        # trainer's: its default for a model that is not a PreTrainedModel (a PeftModel) would search the graph
+        # for unused parameters every step.
+        ddp_find_unused_parameters=False,
+    )
+    if plan.micro_batch * plan.micro_steps[0] * plan.world != plan.global_batch:
+        raise SystemExit(f"--hf needs a global batch ({plan.global_batch}) that is a multiple of micro-batch x world "
+                         f"({plan.micro_batch} x {plan.world}): transformers.Trainer's micro-batches are all alike")
+    hf = transformers.Trainer(model=trainer.model, args=hf_args, train_dataset=_Indices(len(trainer.data)),
+                              data_collator=trainer.data.batch, callbacks=[Interleave()])
+    hf.train()
+    hook.remove()
+    out["version"] = transformers.__version__
+    return out
 
 
 class _profiler:
@@ -230,6 +313,8 @@ def main(argv=None) -> int:
                    help="processes (gloo on 127.0.0.1); each gets cores/world torch threads, as under torchrun")
     p.add_argument("--spec", default=os.path.join(ROOT, "specs", "tiny-lora.yaml"))
     p.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's trainer steps")
+    p.add_argument("--hf", action="store_true",
+                   help="then compare with transformers.Trainer on the same model, data and batch")
     p.add_argument("overrides", nargs="*", help="spec overrides field.path=value")
     args = p.parse_args(argv)
     if args.steps < 4 * args.block:
@@ -265,7 +350,22 @@ def main(argv=None) -> int:
         print(f"paired block ratio, {what} (trainer/baseline, {len(r[t]) // args.block} blocks): median {med:.3f}, "
               f"IQR {q1:.3f}-{q3:.3f}, bootstrap 95% CI of the median {lo:.3f}-{hi:.3f}")
     print(f"ratio trainer/baseline = {tr / bl:.3f} (target <= 1.03)")
+    if r["hf"]:
+        _print_hf(r["hf"], args.block)
     return 0
+
+
+def _print_hf(h: dict, block: int) -> None:
+    tr, hf = statistics.median(h["trainer"]) * 1e3, statistics.median(h["hf"]) * 1e3
+    print(f"against transformers.Trainer {h['version']} ({len(h['hf'])} steps of each, alternating blocks of {block}):")
+    print(f"trainer             : median {tr:8.2f} ms/step (p10 {_pct(h['trainer'], 10):.2f}, "
+          f"p90 {_pct(h['trainer'], 90):.2f})")
+    print(f"transformers.Trainer: median {hf:8.2f} ms/step (p10 {_pct(h['hf'], 10):.2f}, p90 {_pct(h['hf'], 90):.2f})")
+    for what, t, b in (("wall", "trainer", "hf"), ("rank-0 cpu", "trainer_cpu", "hf_cpu")):
+        med, q1, q3, lo, hi = spread(_block_ratios(h[t], h[b], block))
+        print(f"paired block ratio, {what} (trainer/transformers.Trainer, {len(h[t]) // block} blocks): median "
+              f"{med:.3f}, IQR {q1:.3f}-{q3:.3f}, bootstrap 95% CI of the median {lo:.3f}-{hi:.3f}")
+    print(f"ratio trainer/transformers.Trainer = {tr / hf:.3f} (target <= 1.00)")
 
 
 def _block_ratios(trainer: list[float], baseline: list[float], k: int) -> list[float]:

@@ -33,6 +33,7 @@ count against ``max_restarts`` (with c10d it does).
 """
 
 
+import dataclasses
 import functools
 import os
 import re
@@ -124,6 +125,7 @@ def train(
     image: str = torchx.IMAGE,
     cpu: int = 2,
     gpu: int = 0,
+    efa: int = -1,
     memMB: int = 8192,
     h: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
@@ -146,12 +148,13 @@ def train(
         image: container image (local_cwd: ignored, the current directory is used)
         cpu: CPUs per node
         gpu: GPUs per node (each process then trains on one, over NCCL; NCCL_*, TORCH_NCCL_*, FI_* and OFI_NCCL_* variables of the submitting environment, e.g. EFA's FI_PROVIDER=efa, are passed to the nodes)
+        efa: EFA network interfaces per node, mounted into the container (/dev/infiniband/uverbsN; aws_batch) so NCCL's collectives between nodes take EFA, with FI_PROVIDER=efa unless set; -1 (default): the named host type's count (--h, e.g. aws_p4d.24xlarge: 4, aws_p5.48xlarge: 32), else none; 0: none
         memMB: memory per node in MB
         h: a named host type (scheduler specific), instead of cpu/gpu/memMB
         env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
         log_dir: directory of events.jsonl (default: the spec's logging.dir, else the run's directory's logs/ for a file:// checkpoint_uri, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)
     """
-    resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
+    resource = with_efa(specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), efa)
     nproc_per_node = default_nproc(nproc_per_node, resource.gpu)
     lo, hi = _check_arguments(
         nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,
@@ -180,7 +183,7 @@ def train(
                 num_replicas=replicas or hi,
                 min_replicas=lo,
                 resource=resource,
-                env=_job_env(env, os.environ, nproc_per_node=nproc_per_node),
+                env=_job_env(env, os.environ, nproc_per_node=nproc_per_node, efa=efa_count(resource)),
                 port_map={"c10d": 29500},
                 max_retries=max_restarts,
             )
@@ -319,6 +322,31 @@ def _worker_args(
     return cmd + list(overrides)
 
 
+EFA_DEVICE = "vpc.amazonaws.com/efa"
+"""torchx's name of an EFA interface among a resource's ``devices`` (``named_resources_aws.EFA_DEVICE``):
+its aws_batch scheduler mounts N of them as ``/dev/infiniband/uverbs0..N-1`` in the job definition."""
+
+
+def with_efa(resource: specs.Resource, efa: int) -> specs.Resource:
+    """``resource`` with ``efa`` EFA interfaces (-1: as it comes, i.e. the named host type's; 0: none).
+
+    Raises:
+        ValueError: naming ``--efa`` when it is below -1.
+    """
+    if efa < -1:
+        raise ValueError(f"--efa must be -1 (the host type's), 0 (none) or a count of interfaces, got {efa}")
+    if efa == -1:
+        return resource
+    devices = {k: v for k, v in resource.devices.items() if k != EFA_DEVICE}
+    if efa:
+        devices[EFA_DEVICE] = efa
+    return dataclasses.replace(resource, devices=devices)
+
+
+def efa_count(resource: specs.Resource) -> int:
+    return resource.devices.get(EFA_DEVICE, 0)
+
+
 def default_nproc(nproc_per_node: int, gpus: int) -> int:
     """Processes per node: as given, else (0) one per GPU on a GPU node, else 2 (a CPU node's default).
 
@@ -338,7 +366,8 @@ def passthrough_env(environ: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
 
 
-def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc_per_node: int = 1) -> Dict[str, str]:
+def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc_per_node: int = 1,
+             efa: int = 0) -> Dict[str, str]:
     """The environment of every node: ours, the NCCL/EFA settings of ``environ``, then the user's ``env``."""
     job_env = {
         # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
@@ -351,6 +380,9 @@ def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc
         # What torchrun sets itself for more than one process per node, set here so it
         # does not print its four-line banner about it on every start.
         job_env["OMP_NUM_THREADS"] = "1"
+    if efa:
+        # libfabric then fails loudly where the devices are missing, instead of NCCL falling back to TCP sockets.
+        job_env["FI_PROVIDER"] = "efa"
     job_env.update(passthrough_env(environ))
     job_env.update(env or {})
     return job_env

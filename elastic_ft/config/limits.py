@@ -16,6 +16,7 @@ _MiB, _GiB, _TiB = 2**20, 2**30, 2**40
 # Null (where a field allows it) is always accepted. A new numeric field gets a row.
 LIMITS: dict[str, Bound] = {
     "data.max_length": Bound(2, 2**17),  # 131072 tokens: the longest contexts models train on
+    "model.loss_chunk_tokens": Bound(1, 2**24),
     "lora.r": Bound(1, 2**16),
     "lora.alpha": Bound(1, 2**20),
     "lora.dropout": Bound(0.0, 1.0, hi_open=True),

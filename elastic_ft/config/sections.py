@@ -35,6 +35,11 @@ class ModelConfig:
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (non-reentrant
     ``torch.utils.checkpoint``, works with LoRA): less activation memory for about one more forward pass.
     The same loss and gradients; not part of the config hash."""
+    loss_chunk_tokens: int | None = None
+    """Compute the loss through the output layer this many tokens at a time (1 to 16777216), each chunk's
+    float32 logits recomputed in the backward pass, so neither pass holds the whole micro-batch's
+    full-vocabulary logits (at a 128k vocabulary they are 0.5 MB per token). About one more output-layer
+    matmul per step; the same loss and gradients. Null: the whole logits at once. Not part of the config hash."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -252,6 +257,7 @@ class JobSpec:
             d.pop(volatile, None)
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         d["model"].pop("gradient_checkpointing", None)  # recomputes the same activations
+        d["model"].pop("loss_chunk_tokens", None)  # the same loss, summed by chunks
         # Sections added later hash as before while at their defaults: older runs keep their hash.
         for section, cls in (("precision", PrecisionConfig), ("parallelism", ParallelismConfig)):
             if d.get(section) == dataclasses.asdict(cls()):

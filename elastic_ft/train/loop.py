@@ -23,7 +23,6 @@ import socket
 import time
 
 import torch
-import torch.nn.functional as F
 
 from elastic_ft import faults, goodput
 from elastic_ft.batch.identity import batch_node
@@ -37,6 +36,7 @@ from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
 from elastic_ft.train import departure, precision
 from elastic_ft.train import data as data_mod
+from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
@@ -82,9 +82,9 @@ class Trainer(Saving):
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
         with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
-            self.tokenizer, self.model = model_mod.build(spec, inputs)
+            self.tokenizer, self.model = model_mod.build(spec, inputs, device=world.device)
             self.data = data_mod.load(spec.data, self.tokenizer, inputs)
-        self.model.to(world.device)
+        self.model.to(world.device)  # an inline model; a pretrained one is there already: no copy
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}
@@ -161,14 +161,8 @@ class Trainer(Saving):
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
             with sync:
-                with precision.autocast(spec.precision, w.device):
-                    logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                # Shift the (small) labels left rather than slicing the (large) logits,
-                # which would copy them: position t predicts token t+1.
-                targets = F.pad(batch["labels"][:, 1:], (0, 1), value=data_mod.IGNORE)
-                ce = F.cross_entropy(
-                    logits.flatten(0, 1).float(), targets.flatten(), ignore_index=data_mod.IGNORE, reduction="sum",
-                )
+                ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
+                                          autocast=lambda: precision.autocast(spec.precision, w.device))
                 if poison:
                     ce = ce * float("nan")
                 (ce * scale).backward()

@@ -14,7 +14,7 @@ import torch
 
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig
 from elastic_ft.inputs.resolve import InputSource
-from elastic_ft.train import precision
+from elastic_ft.train import loss, precision
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -70,13 +70,33 @@ def build_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype | None = None):
-    """The base causal LM in ``dtype`` (default: ``model.dtype``), deterministic for an inline config and ``seed``."""
+def pretrained_kwargs(dtype: torch.dtype, device: torch.device | None) -> dict:
+    """``from_pretrained``'s loading options: weights read in ``dtype`` straight onto ``device``.
+
+    The model is built on the meta device and each tensor of the checkpoint (memory-mapped safetensors) is
+    converted and placed as it is read: one copy of the weights per rank, on its device, never a float32
+    one first. transformers 5 always builds on meta; a device map makes it (and 4.x, where it implies
+    ``low_cpu_mem_usage``) place each weight on the device instead of in host memory. One device for the
+    whole model: no accelerate dispatch hooks.
+    """
+    kwargs: dict = {"dtype": dtype}
+    if device is not None:
+        kwargs["device_map"] = {"": str(device)}
+    return kwargs
+
+
+def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype | None = None,
+                     device: torch.device | None = None):
+    """The base causal LM in ``dtype`` (default: ``model.dtype``), deterministic for an inline config and ``seed``.
+
+    A pretrained one is loaded onto ``device`` (default: host memory); an inline one is built in host
+    memory, so that its seeded weights are the same on every machine (the caller moves it).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = dtype or getattr(torch, cfg.dtype)
     if cfg.name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **pretrained_kwargs(dtype, device))
     inline = dict(cfg.config or {})
     model_type = inline.pop("model_type")
     inline.setdefault("vocab_size", len(tokenizer))
@@ -89,12 +109,13 @@ def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype 
     return model.to(dtype)
 
 
-def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig):
-    """The base model for ``policy``: a pretrained one loaded straight in its frozen dtype (an 8B model
-    never sits in host memory as float32); an inline one built in float32, as its weights are drawn,
-    and its parameters cast by :func:`precision.apply` (not its buffers: rotary frequencies stay float32)."""
+def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, device: torch.device | None = None):
+    """The base model for ``policy``: a pretrained one loaded straight in its frozen dtype onto ``device``
+    (an 8B model never sits in host memory, nor anywhere as float32); an inline one built in float32, as
+    its weights are drawn, and its parameters cast by :func:`precision.apply` (not its buffers: rotary
+    frequencies stay float32)."""
     if cfg.name_or_path is not None or precision.is_default(policy):
-        return build_base_model(cfg, tokenizer, seed, precision.load_dtype(cfg.dtype, policy))
+        return build_base_model(cfg, tokenizer, seed, precision.load_dtype(cfg.dtype, policy), device)
     return build_base_model(cfg, tokenizer, seed, torch.float32)
 
 
@@ -145,18 +166,20 @@ def apply_lora(model, spec: JobSpec):
         return get_peft_model(model, lora)
 
 
-def build(spec: JobSpec, inputs: InputSource | None = None):
+def build(spec: JobSpec, inputs: InputSource | None = None, device: torch.device | None = None):
     """(tokenizer, model ready to train) for ``spec``; ``s3://`` directories come through ``inputs``
-    (default: a source of the spec's own settings, closed after)."""
+    (default: a source of the spec's own settings, closed after). A pretrained model's weights are loaded
+    onto ``device`` (an inline one's are the caller's to move: they are built on the host)."""
     if inputs is None:
         with InputSource.from_spec(spec) as own:
-            return build(spec, own)
+            return build(spec, own, device)
     cfg = inputs.model(spec.model)
     tokenizer = build_tokenizer(cfg)
-    base = build_base(cfg, tokenizer, spec.seed, spec.precision)
+    base = build_base(cfg, tokenizer, spec.seed, spec.precision, device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(base)
     model = apply_lora(base, spec)
+    loss.check_model(model, cfg.loss_chunk_tokens)
     precision.apply(model, spec.precision)
     # from_pretrained returns a model in eval mode: dropout off, and transformers recomputes
     # checkpointed layers only in training mode.

@@ -90,6 +90,20 @@ def test_replicas_size_the_array_and_gpu_memory_resources():
     ]
 
 
+def test_efa_interfaces_are_mounted_into_the_container():
+    """The devices of an EFA host type (aws_p4d.24xlarge: 4) reach the job definition, as torchx maps them."""
+    container = dryrun(train_args(h="aws_p4d.24xlarge", nproc_per_node="8")).request.job_definition[
+        "containerProperties"]
+    assert container["linuxParameters"]["devices"] == [
+        {"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",
+         "permissions": ["READ", "WRITE", "MKNOD"]} for i in range(4)
+    ]
+    assert {"type": "GPU", "value": "8"} in container["resourceRequirements"]
+    assert {"name": "FI_PROVIDER", "value": "efa"} in container["environment"]
+    plain = dryrun(train_args(gpu="1", nproc_per_node="1")).request.job_definition["containerProperties"]
+    assert plain["linuxParameters"]["devices"] == []
+
+
 def test_run_options_attempts_roles_and_share():
     request = dryrun(
         train_args(), attempts=4, share_id="teamA", priority=7,

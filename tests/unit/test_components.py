@@ -176,3 +176,22 @@ def test_nccl_and_efa_settings_of_the_submitter_reach_the_nodes(monkeypatch):
     assert role.env["OFI_NCCL_DISABLE_GDR_REQUIRED_CHECK"] == "1" and role.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert role.env["NCCL_DEBUG"] == "WARN"  # --env wins over the submitting environment
     assert "ELASTIC_FT_UNRELATED" not in role.env
+
+
+EFA = "vpc.amazonaws.com/efa"
+
+
+def test_efa_interfaces_follow_the_named_host_type_or_efa():
+    (p4d,) = dryrun_app("--h", "aws_p4d.24xlarge").roles
+    assert p4d.resource.devices == {EFA: 4} and p4d.resource.gpu == 8
+    assert p4d.env["FI_PROVIDER"] == "efa"  # libfabric must not fall back to TCP sockets silently
+    (given,) = dryrun_app("--gpu", "8", "--efa", "2").roles
+    assert given.resource.devices == {EFA: 2} and given.env["FI_PROVIDER"] == "efa"
+    (off,) = dryrun_app("--h", "aws_p4d.24xlarge", "--efa", "0").roles
+    assert off.resource.devices == {} and "FI_PROVIDER" not in off.env
+    (plain,) = dryrun_app("--gpu", "8").roles
+    assert plain.resource.devices == {} and "FI_PROVIDER" not in plain.env
+    (own,) = dryrun_app("--gpu", "8", "--efa", "1", "--env", "FI_PROVIDER=tcp").roles
+    assert own.env["FI_PROVIDER"] == "tcp"  # --env wins
+    with pytest.raises(ValueError, match="--efa must be -1"):
+        train(efa=-2)
