@@ -23,6 +23,7 @@ the metadata is our own JSON, not DCP's pickled ``.metadata``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import uuid
@@ -270,14 +271,24 @@ class StoreReader(StorageReader):
                 raise MetadataCorrupt(f"sharded checkpoint at step {self.manifest.step}: {req.storage_index.fqn!r} "
                                       f"is not a tensor, and non-tensor state is never unpickled")
             per_blob.setdefault(self.storage[req.storage_index].blob, []).append(req)
-        # One blob at a time: each is fetched once, verified whole, and dropped once copied out.
-        for name in sorted(per_blob):
-            data = _get_verified(self.store, self.manifest.blobs[name])
-            with warnings.catch_warnings():  # a read-only buffer is only read from here
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                for req in per_blob[name]:
-                    self._copy(data, req, planner)
-            del data
+        # Each blob is fetched once and verified whole; the next one downloads
+        # while this one is copied out, and at most two are held at a time.
+        names = sorted(per_blob)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shard") as pool:
+            fetch = lambda name: pool.submit(_get_verified, self.store, self.manifest.blobs[name])  # noqa: E731
+            pending = fetch(names[0]) if names else None
+            try:
+                for i, name in enumerate(names):
+                    data = pending.result()
+                    pending = fetch(names[i + 1]) if i + 1 < len(names) else None
+                    with warnings.catch_warnings():  # a read-only buffer is only read from here
+                        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                        for req in per_blob[name]:
+                            self._copy(data, req, planner)
+                    del data
+            finally:
+                if pending is not None:
+                    pending.cancel()
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -193,7 +193,7 @@ def _check_saves(out, world: int = 2) -> None:
     r0 = ranks[0]
     assert [r["commit"] for r in ranks] == ["ok"] * world
     blobs = r0["commit_blobs"]
-    assert blobs[-2:] == ["sharded/metadata", "trainer"]
+    assert "sharded/metadata" in blobs and blobs[-1] == "trainer"
     # One data blob per rank; the optimizer's whole ``step`` tensors, dealt to some ranks, in small blobs of their own.
     assert len([b for b in blobs if b.startswith("sharded/data-")]) == world
     assert 1 <= len([b for b in blobs if b.startswith("sharded/whole-")]) <= world and len(blobs) <= 2 + 2 * world
