@@ -142,6 +142,7 @@ def test_sharded_save_and_load_in_one_process(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("unpickled while loading")
 
+    dumps = pickle.dumps  # to write a pickle where the metadata should be, below
     for mod, name in ((pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load")):
         monkeypatch.setattr(mod, name, refuse)
     loaded, skipped = load_newest(store, "run")
@@ -156,6 +157,15 @@ def test_sharded_save_and_load_in_one_process(tmp_path, monkeypatch):
     target = {g: {n: torch.zeros_like(t) for n, t in named.items()} for g, named in want.items()}
     load_sharded(store, loaded.manifest, target)
     assert all(torch.equal(target[g][n], t) for g, named in want.items() for n, t in named.items())
+
+    # A step whose metadata blob verifies but is not ours (a pickle): skipped as corrupt, naming it, unread.
+    writer = CheckpointWriter(store, "run")
+    foreign = writer._put_blob("blobs/000000000009-x/sharded-metadata.json", dumps({"state_dict_metadata": 1}))
+    writer.commit_manifest(_snap(9, _state(9)), {**loaded.manifest.blobs, "sharded/metadata": foreign})
+    newest, skipped = load_newest(store, "run")
+    assert newest.manifest.step == 2 and [s.step for s in skipped] == [9]
+    assert f"sharded checkpoint metadata '{foreign.key}' is not valid JSON" in skipped[0].reason
+    store.delete("manifests/000000000009.json")
 
     # A flipped byte in a data blob: the load names it, resume falls back to step 1.
     # No process group: every tensor is whole (no DTensor), so all sit in one "whole" blob.
