@@ -40,7 +40,7 @@ import tenacity
 import torch
 import torch.distributed as dist
 
-from elastic_ft.checkpoint.dcp_metadata import SHARDED_PREFIX
+from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.store import StoreError
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tensors
@@ -320,6 +320,10 @@ class AsyncSaver:
         manifest, outcome, cause = None, None, None
         if self.rank == 0:
             try:
+                if snap.sharded is not None and METADATA_BLOB not in blobs:
+                    # DCP's coordinator is the group's rank 0: this saver's rank must be that rank.
+                    raise ValueError("this saver's rank 0 is not rank 0 of its process group, so it does not hold "
+                                     "the sharded save's blobs; give AsyncSaver each rank's rank within its group")
                 if self.before_commit is not None:
                     self.before_commit(snap)
                 manifest = self.writer.commit_manifest(snap, blobs)
