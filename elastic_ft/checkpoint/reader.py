@@ -10,6 +10,11 @@ with its reason. A foreign manifest (another run, another format version)
 raises, because the URI points somewhere wrong and guessing could resume the
 wrong model; so does a checkpoint the store could not serve
 (:class:`StoreUnavailable`), because nothing is known about it.
+
+A sharded checkpoint (:mod:`elastic_ft.checkpoint.sharded`) is verified the
+same way, blob by blob, and its DCP metadata decoded and checked, but its
+tensors are not decoded here: they load into the current world's shards
+with :func:`elastic_ft.checkpoint.sharded.load_sharded` (``tensors`` is ``{}``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
 from elastic_ft.checkpoint.codec import decode_header, tensors_from_safetensors
+from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX, check_locations, decode_metadata
 from elastic_ft.checkpoint.manifest import (
     MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
 )
@@ -50,6 +56,15 @@ class BlobNotFound(ObjectNotFound):
     def __init__(self, message: str, *, key: str) -> None:
         super().__init__(message)
         self.key = key
+
+    def __reduce__(self):
+        # Sharded loads gather each rank's error to the others (pickled in
+        # memory, never from storage); the default would drop ``key``.
+        return _blob_not_found, (str(self), self.key)
+
+
+def _blob_not_found(message: str, key: str) -> BlobNotFound:
+    return BlobNotFound(message, key=key)
 
 
 def list_manifests(store: ObjectStore) -> list[ObjectInfo]:
@@ -140,7 +155,11 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 (name, ref), fetch = pending.popleft()
                 data = fetch.result()
                 group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
-                if ref.key.endswith(".safetensors"):
+                if name == METADATA_BLOB:  # decoded and checked, the tensors it describes are not
+                    check_locations(decode_metadata(data, key=ref.key), manifest.blobs, key=ref.key)
+                elif name.startswith(SHARDED_PREFIX):
+                    pass  # a rank's sharded data: its digest was verified, which is all a probe needs
+                elif ref.key.endswith(".safetensors"):
                     tensors.setdefault(group, {}).update(tensors_from_safetensors(data, key=ref.key))
                 else:
                     documents[group] = json.loads(bytes(data))
@@ -165,6 +184,8 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
             data = _get_verified(store, ref)
             if ref.key.endswith(".safetensors"):
                 decode_header(data, key=ref.key)  # a digest proves only that these are the bytes written
+            elif name == METADATA_BLOB:
+                check_locations(decode_metadata(data, key=ref.key), manifest.blobs, key=ref.key)
         except Exception as exc:
             outcome = _outcome_of(store, manifest.step, manifest.key, exc)
             if outcome.kind != CORRUPT:

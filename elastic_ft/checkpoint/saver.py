@@ -8,6 +8,12 @@ the training thread's collectives), and the leader commits the manifest only
 when every part is in. Saves are submitted in the same order on every rank,
 which is what keeps those background collectives paired.
 
+A sharded snapshot (``Snapshot.sharded``: FSDP2 DTensors) is saved instead
+with :func:`elastic_ft.checkpoint.sharded.save_sharded`, one collective DCP
+save over the same group (each rank writes its own shards); its checks are
+agreed across ranks before it starts, and DCP raises a failure inside it on
+every rank alike. The leader commits the manifest the same way.
+
 Every rank learns every save's outcome: the parts' problems are gathered, and
 the leader sends the manifest commit's outcome to the others. So each rank's
 saver holds the same history, and :meth:`AsyncSaver.submit` and
@@ -34,6 +40,7 @@ import tenacity
 import torch
 import torch.distributed as dist
 
+from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.store import StoreError
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tensors
@@ -254,28 +261,69 @@ class AsyncSaver:
 
     def _save(self, snap: Snapshot, nonce: str) -> Manifest | None:
         """Upload, gather, commit: the manifest on the leader (None elsewhere), or the failure on every rank."""
-        mine = self._upload_checked(snap, nonce)
-        gathered = [mine]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, mine, group=self.group)
-        problems = [p for _, p, _ in gathered if p]
-        if any(nonfinite for _, _, nonfinite in gathered):
-            raise NonFiniteCheckpoint(
-                f"checkpoint of step {snap.step} refused: the trainable state or optimizer state holds non-finite "
-                f"values, and a checkpoint is never committed from them: " + "; ".join(problems)
-            )
-        if problems:
-            raise SaveFailed(
-                f"checkpoint of step {snap.step} not committed after {self.part_attempts} attempt(s) per part: "
-                + "; ".join(problems)
-            )
+        blobs = self._save_sharded(snap, nonce) if snap.sharded is not None else self._save_parts(snap, nonce)
+        return self._commit(snap, blobs)
+
+    def _gather(self, mine: tuple) -> list[tuple]:
+        if self.world_size == 1:
+            return [mine]
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
+
+    def _save_parts(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
+        """Replicated state: each rank uploads its part; every blob on the leader ({} elsewhere)."""
+        gathered = self._gather(self._upload_checked(snap, nonce))
+        _raise_problems(snap, [(p, nonfinite) for _, p, nonfinite in gathered],
+                        f"after {self.part_attempts} attempt(s) per part")
+        blobs: dict[str, BlobRef] = {}
+        for part_refs, _, _ in gathered:
+            blobs.update(part_refs)
+        return blobs
+
+    def _save_sharded(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
+        """Sharded (DCP) state: checked on every rank, then saved collectively; every blob on the leader.
+
+        The checks are agreed first (one gather), so that no rank starts the
+        collective save while another refused it. A failure inside the save is
+        one DCP gathers and raises on every rank, so it too fails the save alike.
+        The save is not retried as a whole (every rank would have to agree to);
+        each blob's put is (``part_attempts``), which is safe on its own.
+        """
+        # Imported here: torch.distributed.checkpoint is only needed by sharded runs.
+        from elastic_ft.checkpoint.sharded import ShardedCheckpointError, local_shards, non_tensor_leaves, save_sharded
+
+        where = f"rank {self.rank}/{self.world_size}"
+        problem, nonfinite = None, False
+        try:  # nothing may escape before the gather, or the ranks would pair the wrong collectives
+            bad = non_tensor_leaves(snap.sharded) + [
+                f"document {name!r} (a reserved name)" for name in snap.documents
+                if name == "sharded" or name.startswith(SHARDED_PREFIX)]
+            if bad:
+                problem = f"{where}: not savable as sharded state: {', '.join(bad[:3])}"
+            else:
+                nonfinite_names = nonfinite_tensors(local_shards(snap.sharded))
+                if nonfinite_names:
+                    more = f" and {len(nonfinite_names) - 3} more" if len(nonfinite_names) > 3 else ""
+                    problem, nonfinite = (f"{where}: non-finite values (NaN or inf) in "
+                                          f"{', '.join(nonfinite_names[:3])}{more}"), True
+        except Exception as exc:
+            problem = f"{where}: {type(exc).__name__}: {exc}"
+        _raise_problems(snap, self._gather((problem, nonfinite)), "")
+        try:
+            return save_sharded(self.writer, snap, nonce, self.group, attempts=self.part_attempts)
+        except ShardedCheckpointError as exc:
+            raise SaveFailed(f"checkpoint of step {snap.step} not committed: {exc}") from exc
+
+    def _commit(self, snap: Snapshot, blobs: dict[str, BlobRef]) -> Manifest | None:
+        """The leader commits the manifest naming ``blobs``; every rank learns the outcome."""
         manifest, outcome, cause = None, None, None
         if self.rank == 0:
-            blobs: dict[str, BlobRef] = {}
-            for part_refs, _, _ in gathered:
-                blobs.update(part_refs)
             try:
+                if snap.sharded is not None and METADATA_BLOB not in blobs:
+                    # DCP's coordinator is the group's rank 0: this saver's rank must be that rank.
+                    raise ValueError("this saver's rank 0 is not rank 0 of its process group, so it does not hold "
+                                     "the sharded save's blobs; give AsyncSaver each rank's rank within its group")
                 if self.before_commit is not None:
                     self.before_commit(snap)
                 manifest = self.writer.commit_manifest(snap, blobs)
@@ -288,3 +336,16 @@ class AsyncSaver:
         if outcome is not None:
             raise SaveFailed(f"checkpoint of step {snap.step} not committed: its manifest: {outcome}") from cause
         return manifest
+
+
+def _raise_problems(snap: Snapshot, gathered: list[tuple[str | None, bool]], attempts: str) -> None:
+    """Raise the ranks' problems (the same on every rank: each holds the gathered list)."""
+    problems = [p for p, _ in gathered if p]
+    if any(nonfinite for _, nonfinite in gathered):
+        raise NonFiniteCheckpoint(
+            f"checkpoint of step {snap.step} refused: the trainable state or optimizer state holds non-finite "
+            f"values, and a checkpoint is never committed from them: " + "; ".join(problems)
+        )
+    if problems:
+        raise SaveFailed(f"checkpoint of step {snap.step} not committed{' ' + attempts if attempts else ''}: "
+                         + "; ".join(problems))

@@ -58,6 +58,9 @@ class Snapshot:
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
     scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sharded: dict[str, Any] | None = None
+    """A DCP state dict (nested dicts of DTensors/tensors, host copies: :func:`elastic_ft.checkpoint.sharded.stage`)
+    saved through :mod:`elastic_ft.checkpoint.sharded` instead of ``tensors`` (then ``{}``); None: a replicated snapshot."""
 
 
 def snapshot(step: int, cursor: int, tensors: dict[str, dict[str, torch.Tensor]], **fields) -> Snapshot:
