@@ -105,3 +105,37 @@ def test_a_run_resumes_from_its_own_or_the_other_strategys_checkpoint(gloo_rank,
         assert resumed.losses == pytest.approx(reference.losses, rel=1e-5, abs=0), run_id
         assert resumed.sharded == (then == "fsdp"), run_id
         assert_same_weights(resumed.weights, reference.weights, atol=1e-5)
+
+
+def test_a_sharded_lora_checkpoint_exports_an_adapter_peft_loads(gloo_rank, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from elastic_ft.export import export
+
+    done = run(gloo_rank, tmp_path, "lora", 3, *LORA)
+    assert done.sharded
+    out = tmp_path / "adapter"
+    assert export(f"file://{tmp_path}/lora", str(out)) == {"step": 3, "out": str(out), "lora": True}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(out / "base")), str(out))
+    loaded = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    assert sorted(loaded) == sorted(done.weights)
+    for name, tensor in done.weights.items():
+        torch.testing.assert_close(loaded[name].detach(), tensor, rtol=0, atol=0, msg=name)
+    assert any(t.abs().sum() > 0 for n, t in done.weights.items() if "lora_B" in n)  # trained, not the zero init
+
+
+def test_the_hybrid_mesh_trains_and_resumes_as_the_flat_one(gloo_rank, tmp_path):
+    """``shard_size``'s 2-D (replicate, shard) mesh, here of 1 x 1 (one rank: the same numbers as the 1-D mesh);
+    parameters placed (Replicate, Shard(0)), and DCP's checkpoint of them resumes."""
+    flat = run(gloo_rank, tmp_path, "flat", 4)
+    gloo_rank.setattr(sharding, "mesh_shape", lambda world, n: ((1, 1), ("replicate", "shard")))
+    placements = []
+    real_shard = sharding.shard
+    gloo_rank.setattr(sharding, "shard", lambda *a, **k: placements.append(
+        next((m := real_shard(*a, **k)).parameters()).placements) or m)
+    run(gloo_rank, tmp_path, "hybrid", 2, "parallelism.shard_size=1")
+    hybrid = run(gloo_rank, tmp_path, "hybrid", 4, "parallelism.shard_size=1")
+    assert [str(p) for p in placements] == ["(Replicate(), Shard(dim=0))"] * 2
+    assert hybrid.resumed_from == 2 and hybrid.losses == pytest.approx(flat.losses, rel=1e-6, abs=0)
+    assert_same_weights(hybrid.weights, flat.weights, atol=1e-6)
