@@ -151,8 +151,10 @@ class Trainer(Saving):
         # Summed on the device: no host sync per micro-batch, and ready for the metrics' all-reduce.
         loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
-        for j, chunk in enumerate(chunks):
-            last = j == len(chunks) - 1
+        # FSDP all-gathers every layer in each forward: all ranks run as many micro-batches (see lockstep).
+        count = max(plan.micro_steps) if sharding.is_sharded(net) else len(chunks)
+        for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count)):
+            last = j == count - 1
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
             # One synchronised backward per step on every rank, however many micro-batches it has.
             with sharding.gradient_sync(net, last):
@@ -166,8 +168,8 @@ class Trainer(Saving):
                 )
                 if poison:
                     ce = ce * float("nan")
-                (ce * scale).backward()
-            loss_sum += ce.detach().double()
+                (ce * (scale * weight)).backward()
+            loss_sum += ce.detach().double() * weight
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:

@@ -139,6 +139,19 @@ def gradient_sync(net: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
+def lockstep(chunks: list[list[int]], count: int) -> list[tuple[list[int], float]]:
+    """The step's micro-batches as (samples, loss weight), ``count`` of them: ``chunks`` at weight 1, then
+    repeats of the first at weight 0.
+
+    Under FSDP every forward and backward runs collectives (each layer's all-gather, the last backward's
+    reduce-scatter), so every rank must run as many micro-batches as the busiest rank: an uneven deal (9
+    samples over 2 ranks in micro-batches of 4: 2 and 1 micro-batches) would otherwise leave one rank
+    waiting in an all-gather the other never starts. A repeat weighted 0 adds nothing to the gradient or
+    the loss. (DDP needs none: it communicates once per step, in the last backward.)
+    """
+    return [(c, 1.0) for c in chunks] + [(chunks[0], 0.0)] * (count - len(chunks))
+
+
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of ``grads``: of the whole gradient when they are DTensor shards (one all-reduce).
 

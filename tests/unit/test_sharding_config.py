@@ -86,3 +86,8 @@ def test_decoder_layers_are_found_through_peft_and_in_gpt2():
     assert sharding.decoder_layers(gpt2) is gpt2.transformer.h
     with pytest.raises(ValueError, match="no list of layers"):
         sharding.decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_lockstep_pads_a_rank_to_the_busiest_ranks_micro_batches_at_weight_zero():
+    assert sharding.lockstep([[1, 2, 3, 4], [5]], 2) == [([1, 2, 3, 4], 1.0), ([5], 1.0)]
+    assert sharding.lockstep([[6, 7, 8, 9]], 2) == [([6, 7, 8, 9], 1.0), ([6, 7, 8, 9], 0.0)]
