@@ -5,6 +5,9 @@ this module does the I/O and the collectives around them, so that any failure
 stops every rank with its reason instead of leaving the others waiting in a
 collective. Optimizer state is saved and loaded keyed by parameter *name*,
 which is stable across restarts (parameter objects and their order are not).
+A sharded checkpoint (an fsdp run's) loads through DCP into the current
+world's state (:mod:`elastic_ft.train.dcp_state`); either strategy loads
+either kind (:meth:`Restorer.load_into`).
 """
 
 from __future__ import annotations
