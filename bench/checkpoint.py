@@ -18,13 +18,23 @@ with boto3 on the same server, in one run:
     GETs, each 1 MiB chunk's sha256 taken as it lands, safetensors parse) against boto3's
     ``download_fileobj`` of the same objects into memory. Target >= 0.9.
 
+(d) sharded against replicated (``--fsdp-mb`` of state, the same bytes both
+    ways): saved at 2 ranks (torchrun) as FSDP2 DTensors through DCP
+    (``checkpoint.sharded.save_sharded``: each rank one blob of its shards)
+    and as today's replicated parts (each rank uploads half of the full
+    tensors), then loaded at 3 ranks and at 1 (sharded: resharded into this
+    world's shards, each rank fetching only the blobs it reads; replicated:
+    every rank loads the whole checkpoint, as a replicated resume does).
+    Ratios are sharded throughput over replicated (> 1: sharded is faster).
+
 Each timing is repeated (``--repeats``) alternating ours and boto3's, and the
 median is reported, so load from other processes on the machine hits both;
 before each timing dirty pages are flushed and the server left to go idle
 (untimed).
 
     python bench/checkpoint.py [--lora-mb 20] [--big-mb 1024] [--repeats 7] [--big-repeats 5] [--steps 60]
-                               [--trainer-store s3|file] [--part-mb N] [--download-part-mb N] [--skip a,b]
+                               [--trainer-store s3|file] [--part-mb N] [--download-part-mb N] [--fsdp-mb 256]
+                               [--fsdp-repeats 3] [--skip a,b,d]
 
 On a small, shared machine the uploads are CPU-bound (SigV4 hashes every
 payload over plain HTTP, and SeaweedFS runs on the same cores), so the ratios
@@ -236,6 +246,41 @@ def bench_blocked(endpoint, steps: int, every: int, tmp: str, where: str):
     return b / step
 
 
+def bench_fsdp(endpoint, server_pid: int, total_mb: float, repeats: int, tmp: str):
+    """(d): torchrun jobs of bench/checkpoint_fsdp.py: save at 2 ranks, load at 3 and at 1."""
+    import json
+    import subprocess
+
+    uri = f"s3://{endpoint.bucket}/bench-fsdp-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(tmp, "fsdp")
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    worker = os.path.join(ROOT, "bench", "checkpoint_fsdp.py")
+    for nproc, mode in ((2, "save"), (3, "load"), (1, "load")):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        worker, mode, uri, str(total_mb), str(repeats), out, str(server_pid)],
+                       env=env, check=True, cwd=ROOT)
+    with open(os.path.join(out, "save.json")) as f:
+        saved = json.load(f)
+    mb = saved["bytes"] / MB
+
+    def line(what: str, times: dict) -> float:
+        rep, shd = median(times["replicated"]), median(times["sharded"])
+        print(f"(d) {what} ({mb:.1f} MB): sharded {mb / shd:.1f} MB/s (median {shd:.2f} s) | replicated "
+              f"{mb / rep:.1f} MB/s (median {rep:.2f} s) | ratio {rep / shd:.2f} (sharded/replicated throughput)",
+              flush=True)
+        print(f"    samples (s): sharded {fmt(times['sharded'])} replicated {fmt(times['replicated'])}", flush=True)
+        return rep / shd
+
+    ratios = [line(f"save at {saved['world']} ranks", saved["times"])]
+    for world in (3, 1):
+        with open(os.path.join(out, f"load-{world}.json")) as f:
+            loaded = json.load(f)
+        assert loaded["equal"], f"the sharded load at {world} ranks gave other values"
+        ratios.append(line(f"load saved at {saved['world']}, at {world} rank(s)", loaded["times"]))
+    return ratios
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lora-mb", type=float, default=20, help="LoRA-sized state (MB)")
@@ -247,7 +292,9 @@ def main(argv=None) -> int:
     p.add_argument("--part-mb", type=float, default=None, help="S3Store multipart part size in MiB (default: the store's)")
     p.add_argument("--download-part-mb", type=float, default=None, help="S3Store ranged-GET size in MiB")
     p.add_argument("--trainer-store", choices=("s3", "file"), default="s3", help="where (b)'s trainer saves")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: a, b (c runs with a)")
+    p.add_argument("--fsdp-mb", type=float, default=256, help="state (MB) saved sharded and replicated in (d)")
+    p.add_argument("--fsdp-repeats", type=int, default=3, help="timed repeats of each save/load in (d)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: a, b, d (c runs with a)")
     args = p.parse_args(argv)
 
     import logging
@@ -278,6 +325,8 @@ def main(argv=None) -> int:
                 bench_commit_and_load(endpoint, server.pid, "full", args.big_mb, 64, args.big_repeats, tmp, store_options)
             if "b" not in skip:
                 bench_blocked(endpoint, args.steps, args.every, tmp, args.trainer_store)
+            if "d" not in skip:
+                bench_fsdp(endpoint, server.pid, args.fsdp_mb, args.fsdp_repeats, tmp)
         finally:
             server.stop()
     return 0

@@ -8,6 +8,12 @@ the training thread's collectives), and the leader commits the manifest only
 when every part is in. Saves are submitted in the same order on every rank,
 which is what keeps those background collectives paired.
 
+A sharded snapshot (``Snapshot.sharded``: FSDP2 DTensors) is saved instead
+with :func:`elastic_ft.checkpoint.sharded.save_sharded`, one collective DCP
+save over the same group (each rank writes its own shards); its checks are
+agreed across ranks before it starts, and DCP raises a failure inside it on
+every rank alike. The leader commits the manifest the same way.
+
 Every rank learns every save's outcome: the parts' problems are gathered, and
 the leader sends the manifest commit's outcome to the others. So each rank's
 saver holds the same history, and :meth:`AsyncSaver.submit` and

@@ -4,10 +4,11 @@ DCP's planners decide who writes which chunk at save and who reads which
 bytes at load (resharding to any world size); this module is the storage
 underneath, on the same commit protocol as every other checkpoint:
 
-- save (:func:`save_sharded`, every rank): each rank writes its chunks as ONE
-  blob, back to back, under the save's fresh ``blobs/<step>-<nonce>/`` prefix,
-  named ``sharded/data-<token>`` in the manifest (a random token: nothing is
-  keyed by rank). The coordinator (group rank 0, the leader) then writes the
+- save (:func:`save_sharded`, every rank): each rank writes its DTensor
+  chunks as ONE blob, back to back, under the save's fresh
+  ``blobs/<step>-<nonce>/`` prefix, named ``sharded/data-<token>`` in the
+  manifest (a random token: nothing is keyed by rank), and the whole
+  (replicated) tensors DCP dealt it, if any, as a small ``sharded/whole-<token>``. The coordinator (group rank 0, the leader) then writes the
   JSON documents and the DCP metadata as a JSON blob (``sharded/metadata``,
   :mod:`elastic_ft.checkpoint.dcp_metadata`), and the caller commits the
   manifest naming every blob's size and sha256, last, as today.
@@ -22,6 +23,7 @@ the metadata is our own JSON, not DCP's pickled ``.metadata``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import uuid
@@ -137,10 +139,26 @@ class StoreWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # DTensor shards go in this rank's data blob; whole tensors (replicated
+        # state such as each parameter's optimizer ``step``, which DCP deals to
+        # one rank each) in a small blob of their own: every rank reads them all
+        # at load, and must not have to fetch every rank's data blob to do so.
+        token = uuid.uuid4().hex[:12]
+        results: list[WriteResult] = []
+        for kind, items in (("data", [i for i in plan.items if i.type == WriteItemType.SHARD]),
+                            ("whole", [i for i in plan.items if i.type != WriteItemType.SHARD])):
+            if items:
+                results += self._write_blob(f"{kind}-{token}", items, planner)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_blob(self, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
+        """``items`` back to back (each on a multiple of ``_ALIGN``) as blob ``sharded/<name>``."""
         buffers: list[Any] = []
         placed = []  # (write item, offset, length)
         offset = 0
-        for item in plan.items:
+        for item in items:
             t = planner.resolve_data(item).detach()
             t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
             n = t.numel() * t.element_size()
@@ -152,16 +170,9 @@ class StoreWriter(StorageWriter):
                 buffers.append(t.reshape(-1).view(torch.uint8).numpy())  # a view: no copy of the snapshot
             placed.append((item, offset, n))
             offset += n
-        results: list[WriteResult] = []
-        if placed:
-            token = uuid.uuid4().hex[:12]
-            name = f"{SHARDED_PREFIX}data-{token}"
-            ref = self._put(self.prefix + f"sharded-data-{token}.bin", Segments(buffers))
-            results = [WriteResult(index=item.index, size_in_bytes=n, storage_data=Stored(name, off, n, ref))
-                       for item, off, n in placed]
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        ref = self._put(self.prefix + f"sharded-{name}.bin", Segments(buffers))
+        return [WriteResult(index=item.index, size_in_bytes=n, storage_data=Stored(SHARDED_PREFIX + name, off, n, ref))
+                for item, off, n in placed]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         blobs: dict[str, BlobRef] = {}
@@ -260,14 +271,24 @@ class StoreReader(StorageReader):
                 raise MetadataCorrupt(f"sharded checkpoint at step {self.manifest.step}: {req.storage_index.fqn!r} "
                                       f"is not a tensor, and non-tensor state is never unpickled")
             per_blob.setdefault(self.storage[req.storage_index].blob, []).append(req)
-        # One blob at a time: each is fetched once, verified whole, and dropped once copied out.
-        for name in sorted(per_blob):
-            data = _get_verified(self.store, self.manifest.blobs[name])
-            with warnings.catch_warnings():  # a read-only buffer is only read from here
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                for req in per_blob[name]:
-                    self._copy(data, req, planner)
-            del data
+        # Each blob is fetched once and verified whole; the next one downloads
+        # while this one is copied out, and at most two are held at a time.
+        names = sorted(per_blob)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shard") as pool:
+            fetch = lambda name: pool.submit(_get_verified, self.store, self.manifest.blobs[name])  # noqa: E731
+            pending = fetch(names[0]) if names else None
+            try:
+                for i, name in enumerate(names):
+                    data = pending.result()
+                    pending = fetch(names[i + 1]) if i + 1 < len(names) else None
+                    with warnings.catch_warnings():  # a read-only buffer is only read from here
+                        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                        for req in per_blob[name]:
+                            self._copy(data, req, planner)
+                    del data
+            finally:
+                if pending is not None:
+                    pending.cancel()
         fut: Future = Future()
         fut.set_result(None)
         return fut
