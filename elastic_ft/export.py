@@ -6,7 +6,9 @@ inline config (no hub name to point at) is rebuilt from the spec stored in the
 checkpoint, deterministic from its seed, and written to ``DIR/base`` with its
 tokenizer; the adapter's ``base_model_name_or_path`` then points there. Full
 fine-tunes export a complete model directory. The tokenizer is saved in
-``DIR`` too, made to put BOS first as training does.
+``DIR`` too, made to put BOS first as training does. A sharded checkpoint
+(``parallelism.strategy: fsdp``) exports the same way: its shards are put
+together whole in this one process first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 
 from elastic_ft.checkpoint.manifest import manifest_key
 from elastic_ft.checkpoint.reader import load_blobs, load_newest, read_manifest
+from elastic_ft.checkpoint.sharded import is_sharded, load_sharded_full
 from elastic_ft.checkpoint.store import StoreError, open_store
 from elastic_ft.config import spec_from_dict
 from elastic_ft.filemode import FileTree
@@ -32,11 +35,14 @@ def export(uri: str, out: str, *, step: int | None = None) -> dict:
                 raise StoreError(f"{uri} has no committed checkpoint that verifies; nothing to export")
         else:
             loaded = load_blobs(store, read_manifest(store, manifest_key(step)))
+        weights = loaded.tensors.get("model")
+        if is_sharded(loaded.manifest):  # an fsdp run's: its shards put together, in this one process
+            weights = load_sharded_full(store, loaded.manifest)["model"]
     finally:
         store.close()
     spec = spec_from_dict(loaded.documents["spec"], source=f"spec stored in {uri}", check_files=False)
     tokenizer, model = model_mod.build(spec)
-    model_mod.load_trainable_state(model, loaded.tensors["model"])
+    model_mod.load_trainable_state(model, weights)
     os.makedirs(out, exist_ok=True)
     # safetensors saves through a 0600 temporary file: give what we write the mode the umask implies.
     before = FileTree.of(out)

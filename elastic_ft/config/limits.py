@@ -52,6 +52,7 @@ LIMITS: dict[str, Bound] = {
     "checkpoint.s3.connect_timeout": Bound(0.0, 3600.0, lo_open=True),
     "checkpoint.s3.read_timeout": Bound(0.0, 3600.0, lo_open=True),
     "logging.every_steps": Bound(1, MAX_STEPS),
+    "parallelism.shard_size": Bound(1, 2**16),
     "spot.poll_interval_s": Bound(0.1, 60.0),
     "spot.imds_timeout_s": Bound(0.05, 30.0),
     "spot.token_ttl_s": Bound(1, 21600),

@@ -54,9 +54,16 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelismConfig:
-    strategy: Literal["ddp"] = "ddp"
-    """How the model is spread over the ranks: ``ddp`` (a full replica per rank, gradients all-reduced).
-    Sharded training (``fsdp``) is not built yet."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the model is spread over the ranks: ``ddp`` (a full replica per rank, gradients all-reduced), or
+    ``fsdp`` (FSDP2: parameters, gradients and optimizer state sharded over the ranks, each decoder layer
+    all-gathered as it runs; for a full fine-tune, or LoRA on a base that does not fit one device).
+    Checkpoints of an fsdp run are sharded and load at any world size; either strategy resumes the other's
+    checkpoints. Not part of the config hash."""
+    shard_size: int | None = None
+    """fsdp only: shard within groups of this many ranks and replicate across the groups (hybrid sharding, a
+    2-D mesh; e.g. the GPUs of one node, so the all-gathers stay on the node's links). Every world the job
+    runs at must be a multiple of it, checked at every restart. Null: shard over the whole world."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -258,8 +265,9 @@ class JobSpec:
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         d["model"].pop("gradient_checkpointing", None)  # recomputes the same activations
         d["model"].pop("loss_chunk_tokens", None)  # the same loss, summed by chunks
+        d.pop("parallelism", None)  # where the state lives, not what is computed (up to the order of float sums)
         # Sections added later hash as before while at their defaults: older runs keep their hash.
-        for section, cls in (("precision", PrecisionConfig), ("parallelism", ParallelismConfig)):
+        for section, cls in (("precision", PrecisionConfig),):
             if d.get(section) == dataclasses.asdict(cls()):
                 d.pop(section)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

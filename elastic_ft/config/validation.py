@@ -49,6 +49,9 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(pr.param_dtype == "float32" or pr.compute != "float32", "precision.compute",
          f"must be bfloat16 when precision.param_dtype is {pr.param_dtype} (float32 matmuls cannot take "
          f"{pr.param_dtype} weights)")
+    par = spec.parallelism
+    need(par.shard_size is None or par.strategy == "fsdp", "parallelism.shard_size",
+         f"applies to parallelism.strategy fsdp only (it is {par.strategy}); remove it or set the strategy to fsdp")
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the

@@ -13,7 +13,6 @@ is the step itself, when to checkpoint, and the run from start to end.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -34,7 +33,7 @@ from elastic_ft.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision
+from elastic_ft.train import departure, precision, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -70,6 +69,7 @@ class Trainer(Saving):
         self.spec, self.opts, self.world = spec, opts, world
         imds_endpoint = endpoint_from_env()  # a malformed one is a user error before any work
         precision.check_device(spec.precision, world.device)  # e.g. bfloat16 on a GPU without it
+        sharding.check_world(spec.parallelism, world.size)  # at every restart: the world may have changed
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
         # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
@@ -86,16 +86,12 @@ class Trainer(Saving):
             self.data = data_mod.load(spec.data, self.tokenizer, inputs)
         self.model.to(world.device)  # an inline model; a pretrained one is there already: no copy
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
+        # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
+        self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
+                                 world.distributed)
         self.trainable = model_mod.trainable_state(self.model)
         self.param_names = {p: n for n, p in self.trainable.items()}
         self.optimizer = build_adamw(list(self.trainable.values()), lr=self.plan.lr, cfg=spec.optimizer)
-        self.ddp = None
-        if world.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.ddp = DistributedDataParallel(
-                self.model, device_ids=[world.device.index] if world.device.type == "cuda" else None
-            )
         self.step = 0
         self.cursor = 0
         self.saver = self._open_saver()
@@ -146,27 +142,28 @@ class Trainer(Saving):
         # Dropout masks come from a stream reseeded per (seed, step, rank): no RNG
         # state has to survive a restart, and a resumed step repeats itself.
         torch.manual_seed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank)
-        # DDP averages gradients over ranks; scaling the summed token loss by
+        # DDP and FSDP average gradients over ranks; scaling the summed token loss by
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
         chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
-        net = self.ddp or self.model
+        net = self.net
         # Summed on the device: no host sync per micro-batch, and ready for the metrics' all-reduce.
         loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
-        for j, chunk in enumerate(chunks):
-            last = j == len(chunks) - 1
-            # One synchronised backward per step on every rank, however many micro-batches it has.
-            sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
+        # FSDP all-gathers every layer in each forward: all ranks run as many micro-batches (see lockstep).
+        count = max(plan.micro_steps) if sharding.is_sharded(net) else len(chunks)
+        for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count)):
+            last = j == count - 1
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
-            with sync:
+            # One synchronised backward per step on every rank, however many micro-batches it has.
+            with sharding.gradient_sync(net, last):
                 ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
                                           autocast=lambda: precision.autocast(spec.precision, w.device))
                 if poison:
                     ce = ce * float("nan")
-                (ce * scale).backward()
-            loss_sum += ce.detach().double()
+                (ce * (scale * weight)).backward()
+            loss_sum += ce.detach().double() * weight
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
@@ -189,14 +186,14 @@ class Trainer(Saving):
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
 
-        The norm is taken after DDP's all-reduce, so it is the same number on
-        every rank and every rank takes the same branch. Reading it is the one
+        The norm is taken after DDP's all-reduce (of FSDP's shards: their global
+        norm), so it is the same number on every rank and every rank takes the same branch. Reading it is the one
         host sync this adds per step. A non-finite local loss makes its gradient
         non-finite too, so it is caught here on every rank; on that branch
         (taken by all) the loss is summed over ranks for the event.
         """
         params = list(self.trainable.values())
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        norm = sharding.total_norm([p.grad for p in params if p.grad is not None])
         grad_norm, local_loss = torch.stack([norm.double(), loss_sum]).tolist()  # the one host sync
         if not math.isfinite(grad_norm):
             sum_over_ranks(self.world, loss_sum)

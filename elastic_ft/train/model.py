@@ -208,10 +208,9 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
-    """Copy saved trainable weights back in; names must match exactly (a foreign checkpoint fails here)."""
-    params = dict(model.named_parameters())
-    expected = {n for n, p in params.items() if p.requires_grad}
+def check_trainable_names(model, state: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless ``state`` names exactly the model's trainable parameters (a foreign checkpoint)."""
+    expected = {n for n, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise ValueError(
@@ -219,6 +218,12 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]}); was it written with another "
             f"model or LoRA config?"
         )
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable weights back in; names must match exactly (a foreign checkpoint fails here)."""
+    check_trainable_names(model, state)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)

@@ -5,6 +5,9 @@ this module does the I/O and the collectives around them, so that any failure
 stops every rank with its reason instead of leaving the others waiting in a
 collective. Optimizer state is saved and loaded keyed by parameter *name*,
 which is stable across restarts (parameter objects and their order are not).
+A sharded checkpoint (an fsdp run's) loads through DCP into the current
+world's state (:mod:`elastic_ft.train.dcp_state`); either strategy loads
+either kind (:meth:`Restorer.load_into`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from elastic_ft.checkpoint.reader import LoadedCheckpoint, Skipped, load_blobs, 
 from elastic_ft.checkpoint.store import StoreError
 from elastic_ft.checkpoint.writer import retire
 from elastic_ft.events import EventLog
+from elastic_ft.checkpoint import sharded
+from elastic_ft.train import dcp_state, sharding
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.resume import incompatible_spec, shape_mismatches
 from elastic_ft.train.world import RunAborted, World, broadcast_from_leader, gather_from_all, settle
@@ -117,29 +122,60 @@ class Restorer:
                            trainable: dict, optimizer: torch.optim.Optimizer) -> LoadedCheckpoint:
         """Every rank loads ``key`` (the leader already holds it) into its model and optimizer; all or none.
 
-        One collective gathers each rank's result; any failure raises
-        :class:`RunAborted` on every rank, naming the ranks and their reasons.
+        A collective gathers each rank's result after fetching and again after
+        loading (a sharded load is itself collective: no rank enters it alone);
+        any failure raises :class:`RunAborted` on every rank, naming the ranks
+        and their reasons.
         """
         error = None
         try:
             if loaded is None:
                 self.injector.maybe_fail_load(rank=self.world.rank)
-                loaded = load_blobs(self.store, read_manifest(self.store, key, run_id=self.run_id))
-            bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
-                                   {n: tuple(p.shape) for n, p in trainable.items()})
-            if bad:  # e.g. another base model under model.name_or_path
-                raise ValueError(f"the checkpoint's {len(bad)} trained tensor(s) do not fit this model ({bad[0]}): "
-                                 f"the model changed since; start a new run with another --run_id")
-            model_mod.load_trainable_state(model, loaded.tensors["model"])
-            load_optimizer_tensors(optimizer, trainable, loaded.tensors["optimizer"])
+                manifest = read_manifest(self.store, key, run_id=self.run_id)
+                # A sharded checkpoint: each rank reads only what its shards need, in load_into.
+                loaded = (LoadedCheckpoint(manifest, {}, {}) if sharded.is_sharded(manifest)
+                          else load_blobs(self.store, manifest))
         except Exception as exc:  # reported to every rank below
             error = f"rank {self.world.rank}: {describe_error(exc)}"
+        self._all_or_none(error, key)
+        assert loaded is not None
+        try:
+            self.load_into(loaded, model=model, trainable=trainable, optimizer=optimizer)
+        except Exception as exc:
+            error = f"rank {self.world.rank}: {describe_error(exc)}"
+        self._all_or_none(error, key)
+        return loaded
+
+    def _all_or_none(self, error: str | None, key: str) -> None:
+        """Every rank's ``error`` gathered; :meth:`abort` on every rank, naming each failure, if any."""
         failed = [e for e in gather_from_all(self.world, error) if e is not None]
         if failed:
             where = self.store.join(key)
             self.abort(f"cannot resume run {self.run_id!r} from {where}: {'; '.join(failed)}")
-        assert loaded is not None
-        return loaded
+
+    def load_into(self, loaded: LoadedCheckpoint, *, model: torch.nn.Module, trainable: dict,
+                  optimizer: torch.optim.Optimizer) -> None:
+        """Put a checkpoint's trainable state into this rank's model and optimizer, whichever strategy wrote it.
+
+        A sharded checkpoint (fsdp) loads through DCP into the current world's state, resharded (or whole, for
+        a ddp run); a replicated one (ddp) is copied in, or distributed over the shards of an fsdp model.
+        """
+        if sharded.is_sharded(loaded.manifest):
+            state = dcp_state.template(model, optimizer)
+            sharded.load_sharded(self.store, loaded.manifest, state)  # collective, on the training group
+            dcp_state.apply(model, optimizer, state)
+            return
+        bad = shape_mismatches({n: tuple(t.shape) for n, t in loaded.tensors["model"].items()},
+                               {n: tuple(p.shape) for n, p in trainable.items()})
+        if bad:  # e.g. another base model under model.name_or_path
+            raise ValueError(f"the checkpoint's {len(bad)} trained tensor(s) do not fit this model ({bad[0]}): "
+                             f"the model changed since; start a new run with another --run_id")
+        if sharding.is_sharded(model):
+            model_mod.check_trainable_names(model, loaded.tensors["model"])
+            dcp_state.apply(model, optimizer, loaded.tensors, full=True)
+            return
+        model_mod.load_trainable_state(model, loaded.tensors["model"])
+        load_optimizer_tensors(optimizer, trainable, loaded.tensors["optimizer"])
 
     def abort(self, reason: str) -> NoReturn:
         """Record ``reason`` now, on every rank, then raise :class:`RunAborted` with it.

@@ -21,6 +21,7 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.saver import AsyncSaver
 from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, new_nonce, snapshot
+from elastic_ft.train import dcp_state
 from elastic_ft.train.restore import optimizer_tensors
 from elastic_ft.train.world import broadcast_from_leader
 
@@ -71,13 +72,14 @@ class Saving:
         if skip:
             self.events.emit("checkpoint_skipped", step=self.step, reason="the previous save is still uploading")
             return
+        tensors, documents, state = self._state()
         snap = snapshot(
-            self.step, self.cursor,
-            {"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)},
+            self.step, self.cursor, tensors,
             documents={
                 "trainer": {"step": self.step, "cursor": self.cursor, "total_steps": self.total_steps},
-                "spec": self._spec_doc,
+                "spec": self._spec_doc, **documents,
             },
+            sharded=state,
             config_hash=self._config_hash,
             world={"size": self.world.size, "host": socket.gethostname()},
             rng={"scheme": "reseed(seed, step, rank) before each step", "seed": self.spec.seed},
@@ -102,6 +104,21 @@ class Saving:
                 self.saver.submit(snap, nonce)
                 self._save_started[self.step] = (t0, time.monotonic() - t0, reason)
         self.last_ckpt_step, self.last_ckpt_time = self.step, time.monotonic()
+
+    def _state(self) -> tuple[dict, dict, dict | None]:
+        """(replicated tensors, extra documents, sharded state) of this step's trainable state, host copies.
+
+        ddp: every rank holds all of it; the ranks upload a share each of the tensors (the fast path).
+        fsdp: each rank holds its shards, saved through torch.distributed.checkpoint (resharded at load);
+        the optimizer's param groups, not tensors, go in a document.
+        """
+        if self.spec.parallelism.strategy != "fsdp":
+            return ({"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)},
+                    {}, None)
+        from elastic_ft.checkpoint.sharded import stage
+
+        state, groups = dcp_state.trainable_state(self.model, self.optimizer)
+        return {}, {"optimizer": {"param_groups": groups}}, stage(state)
 
     def _on_commit(self, manifest: Manifest, snap: Snapshot) -> None:
         """Leader, after a manifest landed (on the saver's thread)."""

@@ -122,9 +122,3 @@ def test_the_trainer_check_raises_one_config_error_naming_the_fields(monkeypatch
         precision.check_device(load_spec(DEFAULT_SPEC, BF16).precision, torch.device("cuda", 0))
     assert [f for f, _ in err.value.problems] == ["precision.param_dtype", "precision.compute"]
     assert "precision.param_dtype: bfloat16 is not supported by this cuda device" in str(err.value)
-
-
-def test_parallelism_strategy_accepts_ddp_only_naming_the_field():
-    assert load_spec(DEFAULT_SPEC, ["parallelism.strategy=ddp"]).parallelism.strategy == "ddp"
-    (field, msg), = problems("parallelism.strategy=fsdp")
-    assert field == "parallelism.strategy" and msg == "'fsdp' is not one of 'ddp'"
