@@ -93,6 +93,15 @@ def test_the_sharded_step_computes_what_the_replicated_one_does(gloo_rank, tmp_p
         assert all(".lora_" in n for n in fsdp.weights)  # the frozen, sharded base is not saved
 
 
+def test_the_chunked_loss_calls_the_output_layer_after_the_sharded_forward(gloo_rank, tmp_path):
+    """``model.loss_chunk_tokens`` runs ``lm_head`` (here a LoRA target too) after the sharded root's forward
+    returned: its weights must still be the gathered ones, and their gradients reach the shards."""
+    whole = run(gloo_rank, tmp_path, "whole", 3, *LORA)
+    chunked = run(gloo_rank, tmp_path, "chunked", 3, *LORA, "model.loss_chunk_tokens=16")
+    assert chunked.sharded_model and chunked.losses == pytest.approx(whole.losses, rel=1e-5, abs=0)
+    assert_same_weights(chunked.weights, whole.weights, atol=1e-5)
+
+
 def test_a_run_resumes_from_its_own_or_the_other_strategys_checkpoint(gloo_rank, tmp_path):
     """3 steps, then on to 5 from the step-3 checkpoint: fsdp -> fsdp (DCP into the shards), ddp -> fsdp (whole
     tensors distributed over the shards), fsdp -> ddp (DCP into whole tensors); each as fsdp's 5 uninterrupted."""
