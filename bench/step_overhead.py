@@ -138,7 +138,8 @@ def _worker(rank: int, args, port: int, tmp: str, result_path: str) -> None:
     world = init_world()  # gloo process group, torch threads = cores // processes
     trainer = Trainer(spec, RunOptions(run_id="bench", checkpoint_uri=f"file://{tmp}/ckpt",
                                        log_dir=os.path.join(tmp, "logs")), world)
-    base = Baseline(spec, world, trainer.data, trainer.model, trainer.ddp)
+    # The trainer's DDP wrapper (its ``net``), or none on one process.
+    base = Baseline(spec, world, trainer.data, trainer.model, trainer.net if trainer.net is not trainer.model else None)
     plan = trainer.plan
     cursor = [0]
     boundary = getattr(getattr(trainer, "preemption", None), "at_boundary", None)
