@@ -81,10 +81,12 @@ class Trainer(Saving):
             self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
         if spec.checkpoint.local_cache_dir is not None:
             self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
+        load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
         with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
-            self.tokenizer, self.model = model_mod.build(spec, inputs, device=world.device)
+            self.tokenizer, self.model = model_mod.build(spec, inputs, device=load_to)
             self.data = data_mod.load(spec.data, self.tokenizer, inputs)
-        self.model.to(world.device)  # an inline model; a pretrained one is there already: no copy
+        if load_to is not None:  # an inline model; a pretrained one is there already: no copy
+            self.model.to(world.device)
         self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
         # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
         self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,

@@ -105,6 +105,18 @@ def shard(model: nn.Module, parallelism: ParallelismConfig, policy: PrecisionCon
     return model
 
 
+def load_device(parallelism: ParallelismConfig, device: torch.device, distributed: bool) -> torch.device | None:
+    """Where a pretrained model's weights are loaded: ``device``, or the host (None) when the model is to
+    be sharded.
+
+    Under fsdp a rank never holds the whole model on its device: it is read into host memory (one copy
+    per rank, in its frozen dtype), and ``fully_shard`` moves each unit to the device as it shards it
+    (FSDP2 moves a unit's parameters, then keeps only this rank's shard), so the device's peak is the
+    shards plus one decoder layer whole. That is what lets a base that does not fit one device train.
+    """
+    return None if distributed and parallelism.strategy == "fsdp" else device
+
+
 def wrap(model: nn.Module, parallelism: ParallelismConfig, policy: PrecisionConfig, device: torch.device,
          world_size: int, distributed: bool) -> nn.Module:
     """The network the step runs (``model`` already on ``device``): DDP's wrapper, the model sharded in place

@@ -64,6 +64,15 @@ def test_the_trainer_checks_the_world_at_every_start_before_any_work(tmp_path):
     assert not (tmp_path / "logs").exists()  # refused before the run's files were opened
 
 
+def test_a_model_to_be_sharded_is_loaded_into_host_memory_not_onto_the_device():
+    """A pretrained base under fsdp must not land whole on a device it may not fit: fully_shard moves its
+    shards there. ddp, and a single process (nothing to shard over), load straight onto the device."""
+    gpu = torch.device("cuda", 3)
+    assert sharding.load_device(ParallelismConfig(strategy="fsdp"), gpu, distributed=True) is None
+    assert sharding.load_device(ParallelismConfig(strategy="fsdp"), gpu, distributed=False) == gpu
+    assert sharding.load_device(ParallelismConfig(strategy="ddp"), gpu, distributed=True) == gpu
+
+
 def test_mesh_shape_is_one_dimensional_or_replicate_by_shard():
     assert sharding.mesh_shape(4, None) == ((4,), ("shard",))
     assert sharding.mesh_shape(4, 4) == ((4,), ("shard",))
