@@ -33,7 +33,7 @@ from elastic_ft.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision, sharding
+from elastic_ft.train import departure, precision, rng, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -141,7 +141,8 @@ class Trainer(Saving):
             group["lr"] = lr
         # Dropout masks come from a stream reseeded per (seed, step, rank): no RNG
         # state has to survive a restart, and a resumed step repeats itself.
-        torch.manual_seed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank)
+        # (rng.reseed: torch.manual_seed's streams without its per-call cost on backends this rank does not use)
+        rng.reseed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank, w.device)
         # DDP and FSDP average gradients over ranks; scaling the summed token loss by
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
