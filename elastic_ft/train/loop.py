@@ -33,7 +33,7 @@ from elastic_ft.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision, sharding
+from elastic_ft.train import departure, precision, rng, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -91,9 +91,11 @@ class Trainer(Saving):
         # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
         self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
                                  world.distributed)
+        self.sharded = sharding.is_sharded(self.net)
         self.trainable = model_mod.trainable_state(self.model)
+        self.params = list(self.trainable.values())  # what the optimizer steps; the step clips their gradients
         self.param_names = {p: n for n, p in self.trainable.items()}
-        self.optimizer = build_adamw(list(self.trainable.values()), lr=self.plan.lr, cfg=spec.optimizer)
+        self.optimizer = build_adamw(self.params, lr=self.plan.lr, cfg=spec.optimizer)
         self.step = 0
         self.cursor = 0
         self.saver = self._open_saver()
@@ -143,18 +145,19 @@ class Trainer(Saving):
             group["lr"] = lr
         # Dropout masks come from a stream reseeded per (seed, step, rank): no RNG
         # state has to survive a restart, and a resumed step repeats itself.
-        torch.manual_seed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank)
+        # (rng.reseed: torch.manual_seed's streams without its per-call cost on backends this rank does not use)
+        rng.reseed(spec.seed * 1_000_003 + self.step * 7_919 + w.rank, w.device)
         # DDP and FSDP average gradients over ranks; scaling the summed token loss by
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
         chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
         net = self.net
-        # Summed on the device: no host sync per micro-batch, and ready for the metrics' all-reduce.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
+        # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
+        losses: list[torch.Tensor] = []
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
         # FSDP all-gathers every layer in each forward: all ranks run as many micro-batches (see lockstep).
-        count = max(plan.micro_steps) if sharding.is_sharded(net) else len(chunks)
+        count = max(plan.micro_steps) if self.sharded else len(chunks)
         for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count)):
             last = j == count - 1
             batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
@@ -165,7 +168,10 @@ class Trainer(Saving):
                 if poison:
                     ce = ce * float("nan")
                 (ce * (scale * weight)).backward()
-            loss_sum += ce.detach().double() * weight
+            if weight:  # lockstep's repeats (weight 0) add nothing to the loss
+                losses.append(ce.detach())
+        # In float64, on the device: ready for the metrics' all-reduce.
+        loss_sum = torch.stack(losses).sum(dtype=torch.float64)
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
@@ -194,7 +200,7 @@ class Trainer(Saving):
         non-finite too, so it is caught here on every rank; on that branch
         (taken by all) the loss is summed over ranks for the event.
         """
-        params = list(self.trainable.values())
+        params = self.params
         norm = sharding.total_norm([p.grad for p in params if p.grad is not None])
         grad_norm, local_loss = torch.stack([norm.double(), loss_sum]).tolist()  # the one host sync
         if not math.isfinite(grad_norm):
