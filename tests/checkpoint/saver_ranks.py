@@ -49,6 +49,16 @@ def outcome(fn) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def finish(results: dict, path: str) -> None:
+    """Record that every rank got here (no collective left unpaired), write ``results``, leave the group."""
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    results["paired"] = int(t.item())
+    with open(path, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
 def main(rank: int, world: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
@@ -100,12 +110,7 @@ def main(rank: int, world: int, root: str) -> None:
     results["check_next"] = outcome(lambda: saver.save(snap(2), new_nonce()))
     saver.close()
 
-    t = torch.ones(1)
-    dist.all_reduce(t)  # both ranks got here: no collective was left unpaired
-    results["paired"] = int(t.item())
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(results, os.path.join(root, f"rank{rank}.json"))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Each rank writes what it saw to ``OUT/<mode>-<N>-rank<R>.json``.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pickle
 import sys
@@ -40,6 +39,7 @@ from elastic_ft.checkpoint.saver import AsyncSaver
 from elastic_ft.checkpoint.sharded import load_sharded, stage
 from elastic_ft.checkpoint.store import ObjectStore, StoreUnavailable, open_store
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot
+from saver_ranks import finish, outcome  # a sibling script (this one runs as a script too)
 
 
 class FaultyStore(ObjectStore):
@@ -86,14 +86,6 @@ def full(state: dict) -> dict[str, torch.Tensor]:
     """Every leaf whole (``full_tensor()``: collective, same order on every rank), as ``group/name``."""
     return {f"{g}/{n}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for g, named in sorted(state.items()) for n, v in sorted(named.items())}
-
-
-def outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
 
 
 def save(rank: int, world: int, uri: str, out: str) -> dict:
@@ -169,12 +161,7 @@ def main(mode: str, uri: str, out: str, corrupt: str | None = None) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = save(rank, world, uri, out) if mode == "save" else load(rank, world, uri, out, corrupt)
-    t = torch.ones(1)
-    dist.all_reduce(t)  # every rank got here: no collective was left unpaired
-    results["paired"] = int(t.item())
-    with open(os.path.join(out, f"{mode}-{world}-rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    finish(results, os.path.join(out, f"{mode}-{world}-rank{rank}.json"))
 
 
 if __name__ == "__main__":
