@@ -187,7 +187,18 @@ def _ints(value: Any) -> list[int] | None:
 
 
 def check_locations(md: Metadata, blobs: dict[str, BlobRef], *, key: str) -> None:
-    """Raise :class:`MetadataCorrupt` unless every chunk lies inside a blob the manifest lists."""
+    """Raise :class:`MetadataCorrupt` unless every chunk lies inside a blob the manifest lists, and the
+    tensors, whole, hold no more bytes than the blobs do.
+
+    The second bound is what keeps a load of whole tensors (:func:`~elastic_ft.checkpoint.sharded.
+    load_sharded_full`, which allocates each at its stated size) within the checkpoint's own size: the
+    chunks DCP saves tile each tensor exactly, so ours always pass it.
+    """
+    stored = sum(ref.size for name, ref in blobs.items() if name.startswith(SHARDED_PREFIX) and name != METADATA_BLOB)
+    whole = sum(math.prod(e.size) * e.properties.dtype.itemsize for e in md.state_dict_metadata.values())
+    if whole > stored:
+        raise MetadataCorrupt(f"sharded checkpoint metadata {key!r} describes tensors of {whole:,} bytes in all, "
+                              f"more than its blobs hold ({stored:,}); it does not describe this checkpoint")
     for index, loc in (md.storage_data or {}).items():
         ref = blobs.get(loc.blob)
         if ref is None:

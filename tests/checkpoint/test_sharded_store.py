@@ -61,6 +61,11 @@ def test_sharded_metadata_round_trips():
         check_locations(back, {"sharded/data-a": blobs["sharded/data-a"]}, key="k")
     with pytest.raises(MetadataCorrupt, match=r"spans bytes 64\.\.80 of blob 'blobs/b', which has 79"):
         check_locations(back, {**blobs, "sharded/data-b": BlobRef("blobs/b", 79, "x")}, key="k")
+    # A size its chunks do not fill: whole, it would be allocated at that size by load_sharded_full.
+    huge = decode_metadata(_mutated(lambda d: d["tensors"]["model.w"].update(size=[1 << 30, 4])), key="k")
+    with pytest.raises(MetadataCorrupt, match=r"describes tensors of 8,589,934,596 bytes in all, more than its "
+                                              r"blobs hold \(148\)"):
+        check_locations(huge, blobs, key="k")
 
 
 def _mutated(change) -> bytes:
