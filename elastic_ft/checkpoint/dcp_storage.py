@@ -20,7 +20,6 @@ from typing import Any
 
 import tenacity
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType,
@@ -31,10 +30,10 @@ from torch.futures import Future
 from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX, MetadataCorrupt, Stored, encode_metadata
 from elastic_ft.checkpoint.errors import StoreError
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX, BlobRef, Manifest
-from elastic_ft.checkpoint.reader import _get_verified
+from elastic_ft.checkpoint.reader import fetch_verified
 from elastic_ft.checkpoint.segments import Segments
 from elastic_ft.checkpoint.store import ObjectStore
-from elastic_ft.checkpoint.writer import CheckpointWriter, _json_bytes
+from elastic_ft.checkpoint.writer import CheckpointWriter, json_bytes
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class StoreWriter(StorageWriter):
                 storage[wr.index] = dataclasses.replace(loc, ref=None)
         metadata.storage_data = storage
         for name, doc in sorted(self.documents.items()):
-            blobs[name] = self._put(self.prefix + f"{name}.json", _json_bytes(doc))
+            blobs[name] = self._put(self.prefix + f"{name}.json", json_bytes(doc))
         blobs[METADATA_BLOB] = self._put(self.prefix + "sharded-metadata.json", encode_metadata(metadata))
         self.blobs = blobs
 
@@ -133,7 +132,7 @@ class StoreWriter(StorageWriter):
             before_sleep=lambda rs: log.warning("sharded checkpoint: put of %s failed (attempt %d: %s); retrying",
                                                 key, rs.attempt_number, rs.outcome.exception()),
         )
-        return retrying(self.writer._put_blob, key, data)
+        return retrying(self.writer.put_blob, key, data)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -179,7 +178,7 @@ class StoreReader(StorageReader):
         # while this one is copied out, and at most two are held at a time.
         names = sorted(per_blob)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shard") as pool:
-            fetch = lambda name: pool.submit(_get_verified, self.store, self.manifest.blobs[name])  # noqa: E731
+            fetch = lambda name: pool.submit(fetch_verified, self.store, self.manifest.blobs[name])  # noqa: E731
             pending = fetch(names[0]) if names else None
             try:
                 for i, name in enumerate(names):
@@ -204,7 +203,7 @@ class StoreReader(StorageReader):
             src = torch.frombuffer(data, dtype=dtype, count=loc.length // dtype.itemsize, offset=loc.offset)
         else:
             src = torch.empty(0, dtype=dtype)
-        src = narrow_tensor_by_index(src.view(sizes), req.storage_offsets, req.lengths)
+        src = _region(src.view(sizes), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise MetadataCorrupt(f"sharded checkpoint at step {self.manifest.step}: {req.storage_index.fqn!r} "
@@ -215,3 +214,10 @@ class StoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+def _region(chunk: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The view of ``chunk`` a load request reads: ``lengths[d]`` elements from ``offsets[d]`` in each dim."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        chunk = chunk.narrow(dim, offset, length)
+    return chunk

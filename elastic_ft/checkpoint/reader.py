@@ -83,7 +83,7 @@ def read_manifest(store: ObjectStore, key: str, *, run_id: str | None = None, si
 _IN_FLIGHT = 2
 
 
-def _get_verified(store: ObjectStore, ref: BlobRef) -> bytes | memoryview:
+def fetch_verified(store: ObjectStore, ref: BlobRef) -> bytes | memoryview:
     try:
         return store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size)
     except BlobNotFound:
@@ -146,7 +146,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
             item = next(refs, None)
             if item is not None:
                 ref = item[1]
-                pending.append((item, pool.submit(_get_verified, store, ref)))
+                pending.append((item, pool.submit(fetch_verified, store, ref)))
 
         for _ in range(_IN_FLIGHT):
             fetch_next()
@@ -181,7 +181,7 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
     problems = []
     for name, ref in sorted(manifest.blobs.items()):
         try:
-            data = _get_verified(store, ref)
+            data = fetch_verified(store, ref)
             if ref.key.endswith(".safetensors"):
                 decode_header(data, key=ref.key)  # a digest proves only that these are the bytes written
             elif name == METADATA_BLOB:

@@ -40,7 +40,7 @@ from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX, ch
 from elastic_ft.checkpoint.dcp_storage import StoreReader, StoreWriter
 from elastic_ft.checkpoint.errors import StoreError
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest, ManifestCorrupt, ManifestError
-from elastic_ft.checkpoint.reader import _get_verified
+from elastic_ft.checkpoint.reader import fetch_verified
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot
 
@@ -122,7 +122,7 @@ def read_metadata(store: ObjectStore, manifest: Manifest) -> Metadata:
     ref = manifest.blobs.get(METADATA_BLOB)
     if ref is None:
         raise ManifestCorrupt(f"manifest {manifest.key!r} has no {METADATA_BLOB!r} blob: not a sharded checkpoint")
-    md = decode_metadata(_get_verified(store, ref), key=ref.key)
+    md = decode_metadata(fetch_verified(store, ref), key=ref.key)
     check_locations(md, manifest.blobs, key=ref.key)
     return md
 

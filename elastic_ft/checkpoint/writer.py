@@ -141,12 +141,12 @@ class CheckpointWriter:
                 jobs.append((name, key, functools.partial(safetensors_segments, shards[part])))
         if part == 0:
             for name, doc in snap.documents.items():
-                jobs.append((name, prefix + f"{name}.json", functools.partial(_json_bytes, doc)))
+                jobs.append((name, prefix + f"{name}.json", functools.partial(json_bytes, doc)))
         # Serialising costs no copy (the blobs are views of the snapshot), so the
         # blobs go up side by side: small ones each in a thread of this pool,
         # large ones' parts through the store's own pool.
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, max(1, len(jobs))), thread_name_prefix="ckpt-blob") as pool:
-            futures = {name: pool.submit(lambda k=key, make=make: self._put_blob(k, make())) for name, key, make in jobs}
+            futures = {name: pool.submit(lambda k=key, make=make: self.put_blob(k, make())) for name, key, make in jobs}
             return {name: f.result() for name, f in futures.items()}
 
     def commit_manifest(self, snap: Snapshot, blobs: dict[str, BlobRef]) -> Manifest:
@@ -159,7 +159,7 @@ class CheckpointWriter:
         self._commit_manifest(manifest)
         return manifest
 
-    def _put_blob(self, key: str, data: Data) -> BlobRef:
+    def put_blob(self, key: str, data: Data) -> BlobRef:
         def ref(digest: str) -> BlobRef:
             return BlobRef(key=key, size=len(data), sha256=digest, chunk_size=CHUNK_SIZE)
 
@@ -194,7 +194,7 @@ class CheckpointWriter:
 _HASH_IN_THREAD_BYTES = 1 << 20
 
 
-def _json_bytes(doc: Any) -> bytes:
+def json_bytes(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

@@ -165,7 +165,7 @@ def test_sharded_save_and_load_in_one_process(tmp_path, monkeypatch):
 
     # A step whose metadata blob verifies but is not ours (a pickle): skipped as corrupt, naming it, unread.
     writer = CheckpointWriter(store, "run")
-    foreign = writer._put_blob("blobs/000000000009-x/sharded-metadata.json", dumps({"state_dict_metadata": 1}))
+    foreign = writer.put_blob("blobs/000000000009-x/sharded-metadata.json", dumps({"state_dict_metadata": 1}))
     writer.commit_manifest(_snap(9, _state(9)), {**loaded.manifest.blobs, "sharded/metadata": foreign})
     newest, skipped = load_newest(store, "run")
     assert newest.manifest.step == 2 and [s.step for s in skipped] == [9]
