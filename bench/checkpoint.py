@@ -216,7 +216,7 @@ def warm_up(endpoint, tmp: str) -> None:
 def bench_blocked(endpoint, steps: int, every: int, tmp: str, where: str):
     """The real trainer, world 1, saving asynchronously to ``where`` (s3 or file) every ``every`` steps."""
     from elastic_ft.config import load_spec
-    from elastic_ft.events import read_events
+    from elastic_ft.runevents.events import read_events
     from elastic_ft.train.loop import RunOptions, Trainer
     from elastic_ft.train.world import init_world
 

@@ -24,7 +24,7 @@ a run without preemptions for as many steps. Printed:
 1. per event, from the event to the first step of the new world, in parts
    taken from the events' and the agent log's timestamps (see
    bench/recovery.py), the steps lost, and the node's return;
-2. goodput by category (elastic_ft.goodput.attribute) of both runs, the cost
+2. goodput by category (elastic_ft.runevents.goodput.attribute) of both runs, the cost
    per preemption measured from them and the goodput projected to one
    preemption every 5 minutes (formula printed);
 3. the issue's targets, met or not.
@@ -53,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402  (after the path set-up above)
 
 from bench import recovery as rec  # noqa: E402
-from elastic_ft.events import read_events  # noqa: E402
-from elastic_ft.goodput import CATEGORIES, LABELS, Goodput, attribute  # noqa: E402
+from elastic_ft.runevents.events import read_events  # noqa: E402
+from elastic_ft.runevents.goodput import CATEGORIES, LABELS, Goodput, attribute  # noqa: E402
 from tests.chaos.cluster import Cluster, Node, wait_until  # noqa: E402
 from tests.rendezvous.etcd_server import EtcdServer  # noqa: E402
 
@@ -217,7 +217,7 @@ def goodput_table(with_: Goodput, without: Goodput) -> str:
     def cell(g: Goodput, c: str) -> str:
         return f"{g.seconds[c]:.1f} ({100 * g.seconds[c] / g.wall:.1f} %)" if g.wall > 0 else "-"
 
-    rows = [["goodput (elastic_ft.goodput)", "with preemptions", "without"]]
+    rows = [["goodput (elastic_ft.runevents.goodput)", "with preemptions", "without"]]
     rows += [[LABELS[c], cell(with_, c), cell(without, c)] for c in CATEGORIES]
     rows.append(["wall (s)", f"{with_.wall:.1f}", f"{without.wall:.1f}"])
     rows.append(["attempts", str(with_.attempts), str(without.attempts)])

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Iterable
 
-from elastic_ft.goodput import Goodput
+from elastic_ft.runevents.goodput import Goodput
 
 ANNOUNCED = ("notice", "sigterm")
 UNANNOUNCED = ("kill", "silent")

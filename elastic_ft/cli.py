@@ -105,7 +105,7 @@ def _gc(args) -> int:
 
 
 def _goodput(args) -> int:
-    from elastic_ft.goodput import attribute
+    from elastic_ft.runevents.goodput import attribute
 
     source, events = _run_events(args.run, "goodput")
     print(f"{source}\n{attribute(events).table()}")
@@ -155,7 +155,7 @@ def out_file_problem(out: str) -> str | None:
 
 def _pixels(text: str) -> int:
     """An argparse type: a figure side in pixels."""
-    from elastic_ft.bounds import Bound, parse_number
+    from elastic_ft.config.bounds import Bound, parse_number
 
     try:
         return int(parse_number(text, int, Bound(200, 10000)))
@@ -234,7 +234,7 @@ def _in_range(field: str, kind: type):
 
     argparse prints the message after the flag's name: ``argument --keep-last: must be in [1, 1000000], got '-5'``.
     """
-    from elastic_ft.bounds import parse_number
+    from elastic_ft.config.bounds import parse_number
     from elastic_ft.config import LIMITS
 
     def parse(text: str):

@@ -19,8 +19,8 @@ Exit status of a node (its torchrun), for a scheduler's retry rules:
   "action": "EXIT"}]}`` resubmit a node that left on a notice (75) or whose
   host was reclaimed before it could (the status reason then starts with
   "Host EC2"), and fail on anything else. ``torchx run -s aws_batch
-  elastic_ft.train`` submits exactly that (:mod:`elastic_ft.batch`: an array
-  job of single-node containers, rules in :mod:`elastic_ft.batch.retry`); for
+  elastic_ft.train`` submits exactly that (:mod:`elastic_ft.aws_batch`: an array
+  job of single-node containers, rules in :mod:`elastic_ft.aws_batch.retry`); for
   other apps torchx's own ``aws_batch`` scheduler still retries every nonzero
   exit up to ``max_restarts`` times.
 - 1: the workers failed more than ``max_restarts`` times, or the agent failed.
@@ -196,7 +196,7 @@ MARKER = "elastic_ft.component"
 """The AppDef metadata key that marks an app as :func:`train`'s (value ``"train"``).
 
 The other ``elastic_ft.*`` keys are the facts a scheduler checks without
-parsing the bash line (``elastic_ft.batch`` does). torchx's aws_batch and
+parsing the bash line (``elastic_ft.aws_batch`` does). torchx's aws_batch and
 aws_sagemaker schedulers copy metadata into AWS tags, so every value is
 tag-safe: at most 256 characters of letters, digits, spaces and ``_.:/=+-@``.
 """

@@ -19,7 +19,7 @@ import sys
 from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
-from elastic_ft.events import events_dir
+from elastic_ft.runevents.events import events_dir
 from elastic_ft.names import name_problem
 from elastic_ft.quiet import quiet_libraries
 from elastic_ft.spot.imds import EndpointError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from elastic_ft.bounds import out_of_range
+from elastic_ft.config.bounds import out_of_range
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
 from elastic_ft.config import LIMITS

@@ -1,8 +1,8 @@
-"""The bound of every numeric field of the job spec (checked by :func:`elastic_ft.bounds.out_of_range`)."""
+"""The bound of every numeric field of the job spec (checked by :func:`elastic_ft.config.bounds.out_of_range`)."""
 
 from __future__ import annotations
 
-from elastic_ft.bounds import Bound
+from elastic_ft.config.bounds import Bound
 
 MAX_STEPS = 10**9
 """Steps of a run (and step counts like warm-up and cadence); manifest keys hold 12 digits."""

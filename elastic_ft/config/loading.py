@@ -10,8 +10,8 @@ import yaml
 from elastic_ft.config.limits import LIMITS
 from elastic_ft.config.sections import JobSpec
 from elastic_ft.config.validation import validate
-from elastic_ft.spec_types import build_dataclass
-from elastic_ft.spec_yaml import YamlInputError, load_yaml, read_yaml_file
+from elastic_ft.config.spec_types import build_dataclass
+from elastic_ft.config.spec_yaml import YamlInputError, load_yaml, read_yaml_file
 
 
 class ConfigError(ValueError):

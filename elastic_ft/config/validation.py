@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from elastic_ft.bounds import out_of_range, show_value as _show
+from elastic_ft.config.bounds import out_of_range, show_value as _show
 from elastic_ft.config.limits import LIMITS
 from elastic_ft.config.sections import JobSpec
 from elastic_ft.inputs.uri import has_scheme, uri_problem

@@ -36,13 +36,13 @@ def load_run_events(run: str, environ: Mapping[str, str] | None = None) -> tuple
 
     ``run`` is a run's location (``file:///abs/runs/RUN_ID``, ``s3://bucket/prefix/RUN_ID``), whose
     store's ``events/`` is read when it holds any; otherwise (or for a path or a run id) the local
-    ``events.jsonl`` that :func:`~elastic_ft.goodput.find_events` finds. Steps trained again after a
+    ``events.jsonl`` that :func:`~elastic_ft.runevents.goodput.find_events` finds. Steps trained again after a
     restart appear once per attempt that trained them (goodput counts the redone ones); apply
     :func:`~elastic_ft.runevents.merge.latest_steps` for one event per step. Raises FileNotFoundError
     naming where it looked, and the store's errors when it cannot be read.
     """
-    from elastic_ft.events import read_events
-    from elastic_ft.goodput import find_events
+    from elastic_ft.runevents.events import read_events
+    from elastic_ft.runevents.goodput import find_events
 
     if "://" in run:
         events = store_events(run)

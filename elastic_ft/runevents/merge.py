@@ -5,7 +5,7 @@ Order: by attempt, then by the order the attempt's leader emitted its events
 when it starts, after the previous leader's workers stopped), so this is the
 order of their timestamps wherever the machines' clocks agree, and it keeps
 each attempt's events together after its ``start`` even where they do not
-(which :func:`~elastic_ft.goodput.attribute` relies on). An event shipped
+(which :func:`~elastic_ft.runevents.goodput.attribute` relies on). An event shipped
 twice (a retried put) appears once: events are identified by
 ``(attempt, writer, seq)``.
 

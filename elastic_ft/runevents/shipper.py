@@ -1,6 +1,6 @@
 """The leader's side: the events emitted since the last shipment, shipped to the store as one object.
 
-The :class:`Shipper` listens to the leader's :class:`~elastic_ft.events.EventLog`
+The :class:`Shipper` listens to the leader's :class:`~elastic_ft.runevents.events.EventLog`
 (each event, serialised as the file's line, is numbered in emission order) and
 :meth:`Shipper.ship` writes the lines not shipped yet as one immutable object
 (:func:`~elastic_ft.runevents.layout.batch_key`). Lines leave the queue only
@@ -27,7 +27,7 @@ from typing import Any
 
 from elastic_ft.checkpoint.errors import ObjectExists, StoreError
 from elastic_ft.checkpoint.store import ObjectStore
-from elastic_ft.events import EventLog, next_attempt
+from elastic_ft.runevents.events import EventLog, next_attempt
 from elastic_ft.runevents.layout import batch_key, claim_attempt_retrying, new_writer
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Shipper:
         """Keys written, in order."""
 
     def write(self, record: dict, line: str | None = None) -> None:
-        """As an :class:`~elastic_ft.events.EventLog` sink: queue the event (called in emission order).
+        """As an :class:`~elastic_ft.runevents.events.EventLog` sink: queue the event (called in emission order).
 
         ``line``: the record as the log's file has it, which the store then holds byte for byte;
         serialised here only when a caller gives none.
@@ -129,7 +129,7 @@ class Shipper:
 def leader_attempt(world: Any, store: ObjectStore, local_next: int | None) -> int:
     """The attempt number, claimed in ``store`` by the leader and known to every rank (a collective).
 
-    ``local_next`` is the leader's own count (:func:`~elastic_ft.events.next_attempt`), None elsewhere.
+    ``local_next`` is the leader's own count (:func:`~elastic_ft.runevents.events.next_attempt`), None elsewhere.
     A store that cannot answer is raised on every rank alike, as :class:`StoreError`.
     """
     from elastic_ft.train.world import broadcast_from_leader
@@ -152,7 +152,7 @@ def open_run_events(world: Any, store: ObjectStore, path: str, *, node_head: boo
 
     Every event carries ``common`` and ``attempt``, claimed in the store (:func:`leader_attempt`: a
     collective), so a step redone after a restart is told from its first try, whichever machine leads.
-    ``node_head``: as :class:`~elastic_ft.events.EventLog` takes it.
+    ``node_head``: as :class:`~elastic_ft.runevents.events.EventLog` takes it.
     """
     attempt = leader_attempt(world, store, next_attempt(path) if world.is_leader else None)
     events = EventLog(path if world.is_leader else None, node_head=node_head, **common, attempt=attempt)

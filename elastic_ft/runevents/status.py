@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import math
 
-from elastic_ft.goodput import CATEGORIES, LABELS, attribute
+from elastic_ft.runevents.goodput import CATEGORIES, LABELS, attribute
 from elastic_ft.runevents.merge import latest_steps
 
 _CLEAN_ENDS = ("end", "preempted", "aborted")

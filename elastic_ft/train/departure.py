@@ -31,7 +31,7 @@ def announce(events, *, step: int, world: int, local_rank: int,
              environ: Mapping[str, str] | None = None) -> str | None:
     """Emit ``node_lost`` and log the line when this round follows a lost node; the line, or None.
 
-    ``events`` is the trainer's :class:`~elastic_ft.events.EventLog` (it writes
+    ``events`` is the trainer's :class:`~elastic_ft.runevents.events.EventLog` (it writes
     only on the leader); ``step`` is the step the job resumes after.
     """
     lost = (os.environ if environ is None else environ).get(LOST_NODES_ENV)

@@ -23,13 +23,14 @@ import time
 
 import torch
 
-from elastic_ft import faults, goodput
-from elastic_ft.batch.identity import batch_node
+from elastic_ft import faults
+from elastic_ft.runevents import goodput
+from elastic_ft.runevents.node_identity import batch_node
 from elastic_ft.checkpoint.cache import CachedStore
 from elastic_ft.checkpoint.store import join_uri, open_store
 from elastic_ft.checkpoint.saver import SaveFailed
 from elastic_ft.config import JobSpec
-from elastic_ft.events import joined_line
+from elastic_ft.runevents.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.train.world import World, sum_over_ranks
 
 log = logging.getLogger("elastic_ft.train.loop")  # the name the progress lines always had

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
 from elastic_ft.spot.leave import (
     RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, peer_lost, write_marker,

@@ -24,7 +24,7 @@ from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, Skipped, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.store import StoreError
 from elastic_ft.checkpoint.writer import retire
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.checkpoint import sharded
 from elastic_ft.train import dcp_state, sharding
 from elastic_ft.train import model as model_mod

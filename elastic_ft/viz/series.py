@@ -10,7 +10,7 @@ notice the job left on, ``preempted``; a node lost without notice,
 ``node_lost``), rescales, and the start of each attempt after the first.
 
 Events are grouped by the ``attempt`` each carries (counted from the ``start``
-events for a file written before that field), as :mod:`elastic_ft.goodput`
+events for a file written before that field), as :mod:`elastic_ft.runevents.goodput`
 reads them.
 """
 

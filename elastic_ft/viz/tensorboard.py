@@ -1,6 +1,6 @@
 """``logging.tensorboard: true``: the run's events streamed to TensorBoard with torch's ``SummaryWriter``.
 
-A sink of the leader's :class:`~elastic_ft.events.EventLog`, so the training
+A sink of the leader's :class:`~elastic_ft.runevents.events.EventLog`, so the training
 loop makes no TensorBoard calls of its own and only the leader writes. Into
 ``<events dir>/tensorboard`` (beside ``events.jsonl``) go:
 
@@ -26,7 +26,7 @@ import importlib.util
 import logging
 import math
 
-from elastic_ft.events import console_line
+from elastic_ft.runevents.events import console_line
 
 TENSORBOARD_EXTRA = "pip install 'elastic-ft[tensorboard]'"
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "world": "train/world"}

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
 from tests.chaos.cluster import Cluster, chaos_plan, stall_bound, wait_until
 from tests.e2e.conftest import train
@@ -77,7 +77,7 @@ def reference_of(losses: dict[int, float], tmp_path_factory, steps: int = STEPS)
     if steps not in losses:
         root = str(tmp_path_factory.mktemp("reference"))
         assert train(root, "ref", *overrides(steps)) == 0
-        from elastic_ft.events import read_events
+        from elastic_ft.runevents.events import read_events
 
         events = read_events(os.path.join(root, "ref", "logs", "events.jsonl"))
         losses[steps] = next(e["loss"] for e in reversed(events) if e["event"] == "step")

@@ -18,7 +18,7 @@ from elastic_ft.checkpoint.cache import KEEP_STEPS, CachedStore
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.errors import BlobMismatch, ObjectNotFound
 from elastic_ft.checkpoint.local import LocalStore
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from tests.e2e.conftest import train
 
 

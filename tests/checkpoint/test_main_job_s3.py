@@ -12,8 +12,8 @@ import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest
 from elastic_ft.checkpoint.s3 import S3Store
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
 

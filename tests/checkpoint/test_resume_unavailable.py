@@ -13,7 +13,7 @@ import os
 from elastic_ft import worker
 from elastic_ft.checkpoint.reader import list_manifests
 from elastic_ft.checkpoint.s3 import S3Store
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env
 
 try:

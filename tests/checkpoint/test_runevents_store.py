@@ -10,7 +10,7 @@ import pytest
 from elastic_ft.checkpoint.reader import list_manifests
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.checkpoint.errors import StoreError
 from elastic_ft.runevents.layout import claim_attempt, claim_attempt_retrying, claimed_attempts
 from elastic_ft.runevents.load import read_store_events

@@ -13,7 +13,7 @@ import pytest
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun, tree_digest
 from tests.e2e.conftest import train
 

@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 
-from elastic_ft.events import read_events
-from elastic_ft.goodput import CATEGORIES, LABELS, attribute
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.goodput import CATEGORIES, LABELS, attribute
 from elastic_ft.runevents.load import load_run_events
 from tests.conftest import cli, explain
 

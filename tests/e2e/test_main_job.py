@@ -12,7 +12,7 @@ import stat
 import pytest
 import torch
 
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.filemode import default_file_mode
 from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import BIN, REPO, cli, explain, run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic_ft.config import DataConfig
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.train import data as data_mod
 from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import DEFAULT_SPEC, cli, explain

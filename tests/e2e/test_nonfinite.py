@@ -10,7 +10,7 @@ import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_blobs, read_manifest
 from elastic_ft.checkpoint.local import LocalStore
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
 from tests.e2e.conftest import train
 

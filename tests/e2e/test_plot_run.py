@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.viz.figure import draw
 from elastic_ft.viz.series import run_series
 from tests.conftest import cli, explain, png_size

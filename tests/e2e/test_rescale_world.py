@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
 from tests.e2e.conftest import train
 

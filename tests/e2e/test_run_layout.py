@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from elastic_ft import worker
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from tests.conftest import DEFAULT_SPEC, cli, explain
 
 

@@ -13,7 +13,7 @@ import shlex
 import pytest
 
 from conftest import AWS, REPO, load_template
-from elastic_ft.batch.request import problems
+from elastic_ft.aws_batch.request import problems
 from elastic_ft.components import train
 from elastic_ft.config import load_spec
 from elastic_ft.rendezvous.options import KNOWN_OPTIONS

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.config import load_spec
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, lose_node, stop_leftovers, wait_for

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
 from tests.checkpoint.s3_servers import aws_env

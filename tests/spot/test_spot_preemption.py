@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import DEFAULT_SPEC, REPO, explain, process_env

@@ -38,7 +38,7 @@ if mode == "sigterm":
         dist.all_reduce(t)  # rank 1 never comes: blocked in C until SIGTERM's fallback ends the process
 elif mode == "mixed":
     from elastic_ft.config.sections import SpotConfig
-    from elastic_ft.events import EventLog
+    from elastic_ft.runevents.events import EventLog
     from elastic_ft.spot.watcher import Notice
     from elastic_ft.train.preemption import Preemption
     cfg = SpotConfig(enabled=rank == 0, sigterm=False)

@@ -8,7 +8,7 @@ import os
 import torch
 
 from elastic_ft.config import load_spec
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.train import loop
 from elastic_ft.train.world import World
 from tests.conftest import DEFAULT_SPEC

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ft.config.sections import SpotConfig
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.spot.watcher import LEVEL_LEAVE, LEVEL_NONE, Notice
 from elastic_ft.train.preemption import AGREE_WITHIN_S, Preemption, agree_every
 from elastic_ft.train.world import init_world

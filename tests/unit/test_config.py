@@ -348,7 +348,7 @@ def test_spec_that_is_not_utf8(tmp_path):
 
 
 def test_spec_too_large(tmp_path, monkeypatch):
-    from elastic_ft import spec_yaml
+    from elastic_ft.config import spec_yaml
 
     monkeypatch.setattr(spec_yaml, "MAX_FILE_BYTES", 100)
     with pytest.raises(ConfigError, match="is larger than"):

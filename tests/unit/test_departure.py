@@ -6,7 +6,7 @@ import logging
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.rendezvous.lifecycle import departed
 from elastic_ft.spot.leave import LeaveMarker
 from elastic_ft.train.departure import LOST_NODES_ENV, announce, collective_failure

@@ -1,4 +1,4 @@
-"""Where a run's events live (elastic_ft.events.events_dir) and how goodput finds them again."""
+"""Where a run's events live (elastic_ft.runevents.events.events_dir) and how goodput finds them again."""
 
 import logging
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 
 from elastic_ft.checkpoint.store import UnsupportedURI
-from elastic_ft.events import EventLog, events_dir, joined_line, local_runs_root, read_events
-from elastic_ft.goodput import find_events
+from elastic_ft.runevents.events import EventLog, events_dir, joined_line, local_runs_root, read_events
+from elastic_ft.runevents.goodput import find_events
 
 XDG = {"XDG_CACHE_HOME": "/xdg"}
 
@@ -52,7 +52,7 @@ def test_goodput_finds_the_events_from_the_run_uri_or_its_id(tmp_path, monkeypat
 def test_the_console_gets_a_short_line_and_the_file_the_json(tmp_path, caplog):
     path = tmp_path / "events.jsonl"
     events = EventLog(str(path), run_id="r1", attempt=2)
-    with caplog.at_level(logging.INFO, logger="elastic_ft.events"):
+    with caplog.at_level(logging.INFO, logger="elastic_ft.runevents.events"):
         events.emit("start", world=2, total_steps=100, batch_plan={"world": 2}, spec="tiny")
         events.emit("resume_plan", step=40, skipped=[], reason="resuming from step 40 (cursor 320) saved at world 3")
         events.emit("rescale", step=40, reason="constant_global", changed={"world": {"old": 3, "new": 2}})
@@ -74,7 +74,7 @@ def test_the_console_gets_a_short_line_and_the_file_the_json(tmp_path, caplog):
 
 def test_a_node_without_the_leader_shows_how_the_run_goes_on_and_other_ranks_stay_at_debug(caplog):
     head, other = EventLog(None, node_head=True, run_id="r1", attempt=1), EventLog(None, run_id="r1", attempt=1)
-    with caplog.at_level(logging.INFO, logger="elastic_ft.events"):
+    with caplog.at_level(logging.INFO, logger="elastic_ft.runevents.events"):
         for events in (head, other):
             events.emit("start", world=3, total_steps=60)  # the node's own "joined" line says it (Trainer.run)
             events.emit("resume_plan", step=4, reason="resuming from step 4 (cursor 128) saved at world 3")

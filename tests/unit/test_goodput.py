@@ -1,4 +1,4 @@
-"""Goodput attribution (elastic_ft.goodput) on hand-made event lists: every category, and the CLI."""
+"""Goodput attribution (elastic_ft.runevents.goodput) on hand-made event lists: every category, and the CLI."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elastic_ft import cli
-from elastic_ft.goodput import CATEGORIES, attribute, find_events, process_start_time
+from elastic_ft.runevents.goodput import CATEGORIES, attribute, find_events, process_start_time
 
 
 def ev(ts: float, event: str, **fields) -> dict:

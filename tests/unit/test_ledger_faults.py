@@ -1,9 +1,9 @@
-"""The sample ledger (elastic_ft.ledger) and the fault spec (elastic_ft.faults)."""
+"""The sample ledger (elastic_ft.runevents.ledger) and the fault spec (elastic_ft.faults)."""
 
 import pytest
 
 from elastic_ft import faults
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import deal, take
 
 

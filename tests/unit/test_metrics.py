@@ -5,7 +5,7 @@ import torch
 
 import math
 
-from elastic_ft.events import EventLog, next_attempt, read_events
+from elastic_ft.runevents.events import EventLog, next_attempt, read_events
 from elastic_ft.train.metrics import Metrics, StepResult, eta_seconds, fmt_eta, number
 from elastic_ft.train.world import World
 

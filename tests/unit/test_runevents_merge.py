@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from elastic_ft.goodput import attribute
+from elastic_ft.runevents.goodput import attribute
 from elastic_ft.runevents.layout import batch_key, parse_batch_key
 from elastic_ft.runevents.live import world_from_keys
 from elastic_ft.runevents.merge import latest_steps, merge

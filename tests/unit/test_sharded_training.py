@@ -19,7 +19,7 @@ from elastic_ft.checkpoint.reader import load_newest
 from elastic_ft.checkpoint.sharded import is_sharded, load_sharded_full
 from elastic_ft.checkpoint.store import open_store
 from elastic_ft.config import load_spec
-from elastic_ft.events import read_events
+from elastic_ft.runevents.events import read_events
 from elastic_ft.train import loop, sharding
 from tests.conftest import REPO
 from tests.ports import free_port

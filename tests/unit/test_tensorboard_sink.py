@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from elastic_ft.config import ConfigError, load_spec
-from elastic_ft.events import EventLog
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.viz.tensorboard import TensorBoardSink
 from tests.conftest import DEFAULT_SPEC
 

@@ -191,13 +191,13 @@ def start_fields() -> dict:
 
 def find_events(path: str, environ: Mapping[str, str] | None = None) -> str:
     """The events file of ``path``: the file itself, a log directory holding it, a run directory's logs/,
-    a run's checkpoint URI (where :func:`~elastic_ft.events.events_dir` puts its events by default), or
+    a run's checkpoint URI (where :func:`~elastic_ft.runevents.events.events_dir` puts its events by default), or
     a run id (its directory under the default ``--checkpoint_uri``, ``runs/``, or under
-    :func:`~elastic_ft.events.local_runs_root`).
+    :func:`~elastic_ft.runevents.events.local_runs_root`).
 
     Raises FileNotFoundError naming what was looked for.
     """
-    from elastic_ft.events import events_dir, local_runs_root
+    from elastic_ft.runevents.events import events_dir, local_runs_root
 
     if "://" in path:
         uri = path.rstrip("/")

@@ -17,8 +17,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from elastic_ft.bounds import Bound, show_value as _show
-from elastic_ft.spec_yaml import HugeNumber
+from elastic_ft.config.bounds import Bound, show_value as _show
+from elastic_ft.config.spec_yaml import HugeNumber
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 

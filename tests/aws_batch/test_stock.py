@@ -13,8 +13,8 @@ from torchx.schedulers import DEFAULT_SCHEDULER_MODULES, get_scheduler_factories
 from torchx.schedulers.aws_batch_scheduler import AWSBatchScheduler, BatchJob
 from torchx.schedulers.local_scheduler import LocalScheduler
 
-from elastic_ft.batch.scheduler import ElasticBatchScheduler
-from tests.batch.conftest import dryrun, torchx
+from elastic_ft.aws_batch.scheduler import ElasticBatchScheduler
+from tests.aws_batch.conftest import dryrun, torchx
 from tests.conftest import explain
 
 STOCK_APPS = {
@@ -27,7 +27,7 @@ def test_every_default_scheduler_is_registered_and_torchx_own():
     eps = {ep.name: ep for ep in entry_points(group="torchx.schedulers")}
     assert set(DEFAULT_SCHEDULER_MODULES) <= set(get_scheduler_factories())
     for name, module in DEFAULT_SCHEDULER_MODULES.items():
-        want = "elastic_ft.batch.scheduler" if name == "aws_batch" else module
+        want = "elastic_ft.aws_batch.scheduler" if name == "aws_batch" else module
         assert (eps[name].module, eps[name].attr) == (want, "create_scheduler"), name
 
 

@@ -16,7 +16,7 @@ import urllib.request
 import boto3
 import pytest
 
-from tests.batch.conftest import RUN_ID, torchx, train_args
+from tests.aws_batch.conftest import RUN_ID, torchx, train_args
 from tests.checkpoint.s3_servers import wait_until
 from tests.conftest import BIN, explain, process_env
 from tests.ports import free_port

@@ -23,9 +23,9 @@ from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_VER, AWSBatchOpts, 
 from torchx.schedulers.ids import make_unique
 from torchx.specs import AppDef, CfgVal, runopts
 
-from elastic_ft.batch import request as req
-from elastic_ft.batch import state
-from elastic_ft.batch.retry import DEFAULT_ATTEMPTS, MAX_ATTEMPTS
+from elastic_ft.aws_batch import request as req
+from elastic_ft.aws_batch import state
+from elastic_ft.aws_batch.retry import DEFAULT_ATTEMPTS, MAX_ATTEMPTS
 
 CANCEL_REASON = "killed via torchx CLI"  # torchx's own reason
 

@@ -8,9 +8,9 @@ import shlex
 import torchx
 from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_APPNAME, TAG_TORCHX_USER, TAG_TORCHX_VER
 
-from elastic_ft.batch.request import ArrayJobRequest
+from elastic_ft.aws_batch.request import ArrayJobRequest
 from elastic_ft.components import train
-from tests.batch.conftest import CHECKPOINTS, ETCD, RUN_ID, dryrun, scheduler_request, torchx as torchx_cli, train_args
+from tests.aws_batch.conftest import CHECKPOINTS, ETCD, RUN_ID, dryrun, scheduler_request, torchx as torchx_cli, train_args
 from tests.conftest import explain
 
 LINE = (

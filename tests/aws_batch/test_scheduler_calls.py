@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from torchx.specs import AppState
 
-from elastic_ft.batch import state
-from elastic_ft.batch.scheduler import ElasticBatchScheduler, create_scheduler
+from elastic_ft.aws_batch import state
+from elastic_ft.aws_batch.scheduler import ElasticBatchScheduler, create_scheduler
 
 QUEUE, NAME, PARENT = "q", "elastic-ft-exp1-abc", "11111111-2222"
 APP_ID = f"{QUEUE}:{NAME}"

@@ -1,7 +1,7 @@
 """A local rehearsal of the AWS Batch array job: the command the dry run plans, run on this machine.
 
 torchx's ``aws_batch`` dry run plans what would be submitted (an
-:class:`elastic_ft.batch.request.ArrayJobRequest`). Its container command
+:class:`elastic_ft.aws_batch.request.ArrayJobRequest`). Its container command
 (``bash -c LINE``) runs here from the repository root, the image's workdir,
 once per array child, with the environment Batch gives a child: the job
 definition's variables plus ``AWS_BATCH_JOB_ARRAY_INDEX``,
@@ -28,8 +28,8 @@ import psutil
 import pytest
 
 from elastic_ft.config import load_spec
-from elastic_ft.events import read_events
-from elastic_ft.ledger import check_exactly_once, replay
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.runevents.merge import latest_steps
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.cursor import take
@@ -85,7 +85,7 @@ def plan_job(args: list[str]) -> PlannedJob:
 
 def batch_action(plan: PlannedJob, attempt: int, *, exit_code: int | None, status_reason: str | None) -> str:
     """What Batch does with a child's finished attempt under the plan's retry strategy: RETRY or EXIT."""
-    from elastic_ft.batch.retry import decide
+    from elastic_ft.aws_batch.retry import decide
 
     strategy = plan.retry_strategy
     return str(decide(strategy["evaluateOnExit"], exit_code=exit_code, status_reason=status_reason, reason=None,

@@ -20,7 +20,7 @@ import torchx
 from torchx.schedulers import aws_batch_scheduler as stock
 from torchx.specs import AppDef, Role, macros
 
-from elastic_ft.batch.retry import DEFAULT_ATTEMPTS, attempts_problem, retry_strategy
+from elastic_ft.aws_batch.retry import DEFAULT_ATTEMPTS, attempts_problem, retry_strategy
 from elastic_ft.components import MARKER, ComponentArgumentError
 
 MAX_ARRAY_SIZE = 10_000  # AWS Batch: an array job has 2 to 10,000 children

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from elastic_ft.batch.identity import batch_node
-from elastic_ft.events import read_events
+from elastic_ft.runevents.node_identity import batch_node
+from elastic_ft.runevents.events import read_events
 from tests.e2e.conftest import train
 
 
@@ -27,7 +27,7 @@ def test_batch_node(env, node):
 
 @pytest.mark.parametrize("value", ["3; rm -rf /", "-1", "1e3", "", "٣", "1234567"])
 def test_values_that_are_not_small_numbers_are_ignored_with_one_warning(value, caplog):
-    with caplog.at_level(logging.WARNING, logger="elastic_ft.batch.identity"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ft.runevents.node_identity"):
         assert batch_node({"AWS_BATCH_JOB_ARRAY_INDEX": value, "AWS_BATCH_JOB_ATTEMPT": "2"}) == "attempt 2"
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "AWS_BATCH_JOB_ARRAY_INDEX" in warnings[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.batch.conftest import torchx, train_args
+from tests.aws_batch.conftest import torchx, train_args
 from tests.conftest import explain
 
 CASES = {

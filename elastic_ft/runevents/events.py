@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-log = logging.getLogger("elastic_ft.events")
+log = logging.getLogger("elastic_ft.runevents.events")
 
 
 NODE_EVENTS = frozenset({"resume_plan", "rescale", "preempted", "aborted", "end"})
