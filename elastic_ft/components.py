@@ -33,83 +33,21 @@ count against ``max_restarts`` (with c10d it does).
 """
 
 
-import dataclasses
-import functools
 import os
-import re
-import shlex
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torchx
 import torchx.specs as specs
 from torchx.specs import macros
-from torchx.specs.finder import ComponentValidationException
 
-from elastic_ft.names import check_name
-
-_NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
-
-
-class ComponentArgumentError(ComponentValidationException, ValueError):
-    """A component argument that cannot work; the message names it.
-
-    ``torchx run`` prints a ComponentValidationException as its message under
-    one header line ("Failed to run component ... got errors:") and exits 1;
-    any other exception from a component gets a full traceback. To Python
-    callers it is a ValueError.
-    """
+from elastic_ft.submission.app_metadata import app_metadata
+from elastic_ft.submission.arguments import argument_errors, check_arguments
+from elastic_ft.submission.bash_line import RANK0_ENDPOINT, bash_line
+from elastic_ft.submission.batch_fit import check_batch_fits
+from elastic_ft.submission.node_resources import default_nproc, efa_count, job_env, with_efa
 
 
-def _argument_errors(component):
-    """Raise the ValueErrors of ``component`` as :class:`ComponentArgumentError`, so torchx shows no traceback.
-
-    torchx reads a component's signature and docstring through ``functools.wraps``
-    and lints its source, which the decorator leaves as it is.
-    """
-
-    @functools.wraps(component)
-    def checked(*args, **kwargs):
-        try:
-            return component(*args, **kwargs)
-        except ComponentArgumentError:
-            raise
-        except ValueError as exc:
-            raise ComponentArgumentError(str(exc)) from exc
-
-    return checked
-
-
-def parse_nnodes(nnodes: str) -> "tuple[int, int]":
-    """``"N"`` or ``"MIN:MAX"`` as (min, max); ValueError naming the argument otherwise."""
-    m = _NNODES.match(nnodes.strip())
-    if not m:
-        raise ValueError(f"--nnodes {nnodes!r} must be N or MIN:MAX, e.g. 2 or 2:8")
-    lo = int(m.group(1))
-    hi = int(m.group(2)) if m.group(2) else lo
-    if lo < 1 or hi < lo:
-        raise ValueError(f"--nnodes {nnodes!r}: need 1 <= MIN <= MAX")
-    return lo, hi
-
-
-def check_rdzv_conf(rdzv_conf: str) -> None:
-    """Refuse secrets in ``--rdzv_conf``: it is part of the torchrun command line.
-
-    torchrun splits it on ``,`` and ``=`` (keys stripped), as done here. A
-    ``password=`` item would be readable by every user of the node (``ps``) and
-    stored in the job definition; ``password_env=VAR`` names an environment
-    variable that holds it on each node instead.
-    """
-    for item in rdzv_conf.split(","):
-        key = item.partition("=")[0].strip()
-        if key == "password":
-            raise ValueError(
-                "--rdzv_conf: password= would show the etcd password in the process list and "
-                "the job definition; give password_env=VAR instead, the name of an environment "
-                "variable that holds it on each node (e.g. from the scheduler's secrets)"
-            )
-
-
-@_argument_errors
+@argument_errors
 def train(
     *overrides: str,
     nnodes: str = "1",
@@ -156,10 +94,11 @@ def train(
     """
     resource = with_efa(specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), efa)
     nproc_per_node = default_nproc(nproc_per_node, resource.gpu)
-    lo, hi = _check_arguments(
+    lo, hi = check_arguments(
         nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas,
+        rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas, env=env,
     )
+    check_batch_fits(spec, overrides, max_nodes=hi, nnodes=nnodes, nproc_per_node=nproc_per_node)
     cmd = _torchrun_args(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint or _default_endpoint(hi),
@@ -179,105 +118,26 @@ def train(
                 name="trainer",
                 image=image,
                 entrypoint="bash",
-                args=["-c", _bash_line(cmd)],
+                args=["-c", bash_line(cmd)],
                 num_replicas=replicas or hi,
                 min_replicas=lo,
                 resource=resource,
-                env=_job_env(env, os.environ, nproc_per_node=nproc_per_node, efa=efa_count(resource)),
+                env=job_env(env, os.environ, nproc_per_node=nproc_per_node, efa=efa_count(resource)),
                 port_map={"c10d": 29500},
                 max_retries=max_restarts,
             )
         ],
-        metadata=_app_metadata(lo, hi, rdzv_backend, rdzv_endpoint, checkpoint_uri, run_id),
+        metadata=app_metadata(lo, hi, rdzv_backend, rdzv_endpoint, checkpoint_uri, run_id),
     )
-
-
-MARKER = "elastic_ft.component"
-"""The AppDef metadata key that marks an app as :func:`train`'s (value ``"train"``).
-
-The other ``elastic_ft.*`` keys are the facts a scheduler checks without
-parsing the bash line (``elastic_ft.aws_batch`` does). torchx's aws_batch and
-aws_sagemaker schedulers copy metadata into AWS tags, so every value is
-tag-safe: at most 256 characters of letters, digits, spaces and ``_.:/=+-@``.
-"""
-
-_TAG_SAFE = re.compile(r"^[A-Za-z0-9 _.:/=+@-]{0,256}$")
-
-
-def _app_metadata(
-    lo: int,
-    hi: int,
-    rdzv_backend: str,
-    rdzv_endpoint: Optional[str],
-    checkpoint_uri: str,
-    run_id: Optional[str],
-) -> Dict[str, str]:
-    """The AppDef's metadata: the marker and the structured facts, each value tag-safe.
-
-    The checkpoint URI itself may hold any character S3 keys allow, so only its
-    scheme is kept; a backend name that is not tag-safe is kept as ``"other"``.
-    """
-    scheme = checkpoint_uri.partition("://")[0] if "://" in checkpoint_uri else ""
-    return {
-        MARKER: "train",
-        "elastic_ft.min_nodes": str(lo),
-        "elastic_ft.max_nodes": str(hi),
-        "elastic_ft.rdzv_backend": rdzv_backend if _TAG_SAFE.match(rdzv_backend) else "other",
-        "elastic_ft.rdzv_endpoint": "given" if rdzv_endpoint else "",
-        "elastic_ft.checkpoint_scheme": scheme if scheme.isalnum() else "other",
-        # check_name keeps run ids to letters, digits, '.', '_' and '-', at most 128.
-        "elastic_ft.run_id": run_id or "",
-    }
-
-
-def _check_arguments(
-    *,
-    nnodes: str,
-    nproc_per_node: int,
-    gpus: int,
-    run_id: Optional[str],
-    rdzv_backend: str,
-    rdzv_endpoint: Optional[str],
-    rdzv_conf: Optional[str],
-    max_restarts: int,
-    replicas: int,
-) -> Tuple[int, int]:
-    """The (min, max) node counts of ``nnodes``.
-
-    Raises:
-        ValueError: naming the first bad argument of :func:`train`.
-    """
-    lo, hi = parse_nnodes(nnodes)
-    if run_id is not None:
-        # One path component under checkpoint_uri, in torchx's log path and etcd's keys:
-        # '../x' escaped all three.
-        check_name(run_id, "--run_id")
-    if nproc_per_node < 1:
-        raise ValueError(f"--nproc_per_node must be at least 1, got {nproc_per_node}")
-    if gpus < 0:
-        raise ValueError(f"--gpu must be 0 or more, got {gpus}")
-    if gpus and nproc_per_node > gpus:
-        # Each process takes the GPU of its LOCAL_RANK: one past the last would fail at start-up on every node.
-        raise ValueError(f"--nproc_per_node {nproc_per_node} is more than the node's {gpus} GPU(s): one process "
-                         f"per GPU; give at most {gpus}, or leave it out")
-    if max_restarts < 0:
-        raise ValueError(f"--max_restarts must be >= 0, got {max_restarts}")
-    if replicas and not 1 <= replicas <= hi:
-        raise ValueError(f"--replicas {replicas} must be between 1 and the max of --nnodes ({hi})")
-    if rdzv_conf:
-        check_rdzv_conf(rdzv_conf)
-    if rdzv_backend == "etcd3" and not rdzv_endpoint:
-        raise ValueError("--rdzv_backend etcd3 needs --rdzv_endpoint HOST:PORT of an etcd v3 server")
-    return lo, hi
 
 
 def _default_endpoint(max_nodes: int) -> str:
     """The c10d endpoint when none is given.
 
     One node: any free port. Several: the scheduler's rank-0 host, as torchx's
-    dist.ddp does (a ``$`` variable, which :func:`_torchrun_args` leaves for bash to expand).
+    dist.ddp does (a ``$`` variable, the one argument :func:`bash_line` leaves for bash to expand).
     """
-    return "localhost:0" if max_nodes == 1 else f"${{{macros.rank0_env}:=localhost}}:29500"
+    return "localhost:0" if max_nodes == 1 else RANK0_ENDPOINT
 
 
 def _torchrun_args(
@@ -294,7 +154,7 @@ def _torchrun_args(
     cmd = [
         "torchrun",
         "--rdzv_backend", rdzv_backend,
-        "--rdzv_endpoint", _Raw(rdzv_endpoint) if "$" in rdzv_endpoint else rdzv_endpoint,
+        "--rdzv_endpoint", rdzv_endpoint,
         "--rdzv_id", rdzv_id,
         "--nnodes", nnodes,
         "--nproc_per_node", str(nproc_per_node),
@@ -320,78 +180,3 @@ def _worker_args(
     if log_dir:
         cmd += ["--log_dir", log_dir]
     return cmd + list(overrides)
-
-
-EFA_DEVICE = "vpc.amazonaws.com/efa"
-"""torchx's name of an EFA interface among a resource's ``devices`` (``named_resources_aws.EFA_DEVICE``):
-its aws_batch scheduler mounts N of them as ``/dev/infiniband/uverbs0..N-1`` in the job definition."""
-
-
-def with_efa(resource: specs.Resource, efa: int) -> specs.Resource:
-    """``resource`` with ``efa`` EFA interfaces (-1: as it comes, i.e. the named host type's; 0: none).
-
-    Raises:
-        ValueError: naming ``--efa`` when it is below -1.
-    """
-    if efa < -1:
-        raise ValueError(f"--efa must be -1 (the host type's), 0 (none) or a count of interfaces, got {efa}")
-    if efa == -1:
-        return resource
-    devices = {k: v for k, v in resource.devices.items() if k != EFA_DEVICE}
-    if efa:
-        devices[EFA_DEVICE] = efa
-    return dataclasses.replace(resource, devices=devices)
-
-
-def efa_count(resource: specs.Resource) -> int:
-    return resource.devices.get(EFA_DEVICE, 0)
-
-
-def default_nproc(nproc_per_node: int, gpus: int) -> int:
-    """Processes per node: as given, else (0) one per GPU on a GPU node, else 2 (a CPU node's default).
-
-    0 rather than None: torchx passes an ``Optional[int]`` argument through as a string."""
-    if nproc_per_node != 0:
-        return nproc_per_node
-    return gpus if gpus > 0 else 2
-
-
-PASSTHROUGH_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "OFI_NCCL_")
-"""Variables of the submitting environment copied to every node: NCCL's and torch's NCCL settings, and
-libfabric's (``FI_PROVIDER=efa``, ``FI_EFA_USE_DEVICE_RDMA``) and aws-ofi-nccl's, which EFA needs."""
-
-
-def passthrough_env(environ: Mapping[str, str]) -> Dict[str, str]:
-    """The NCCL and EFA (libfabric) settings of ``environ`` to pass on to the nodes."""
-    return {k: v for k, v in environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
-
-
-def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc_per_node: int = 1,
-             efa: int = 0) -> Dict[str, str]:
-    """The environment of every node: ours, the NCCL/EFA settings of ``environ``, then the user's ``env``."""
-    job_env = {
-        # torch 2.13: a node joining a running job hangs waiting for MASTER_ADDR
-        # unless the agent's store is not shared with the rendezvous.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "LOGLEVEL": "WARNING",
-    }
-    if nproc_per_node > 1:
-        # What torchrun sets itself for more than one process per node, set here so it
-        # does not print its four-line banner about it on every start.
-        job_env["OMP_NUM_THREADS"] = "1"
-    if efa:
-        # libfabric then fails loudly where the devices are missing, instead of NCCL falling back to TCP sockets.
-        job_env["FI_PROVIDER"] = "efa"
-    job_env.update(passthrough_env(environ))
-    job_env.update(env or {})
-    return job_env
-
-
-def _bash_line(cmd: Sequence[str]) -> str:
-    """``cmd`` as one ``bash -c`` line: each argument quoted, except :class:`_Raw` ones."""
-    return " ".join(a if isinstance(a, _Raw) else shlex.quote(a) for a in cmd)
-
-
-class _Raw(str):
-    """An argument left unquoted so bash expands it (the rank-0 host variable)."""

@@ -21,7 +21,8 @@ from torchx.schedulers import aws_batch_scheduler as stock
 from torchx.specs import AppDef, Role, macros
 
 from elastic_ft.aws_batch.retry import DEFAULT_ATTEMPTS, attempts_problem, retry_strategy
-from elastic_ft.components import MARKER, ComponentArgumentError
+from elastic_ft.submission import app_metadata as meta_keys
+from elastic_ft.submission.arguments import ComponentArgumentError
 
 MAX_ARRAY_SIZE = 10_000  # AWS Batch: an array job has 2 to 10,000 children
 MAX_NAME = 128  # job and job definition names: letters, digits, '-' and '_'
@@ -55,7 +56,7 @@ class ArrayJobRequest:
 
 def is_elastic_ft(app: AppDef) -> bool:
     """Whether ``app`` is ``elastic_ft.train``'s (its metadata carries the marker)."""
-    return app.metadata.get(MARKER) == "train"
+    return app.metadata.get(meta_keys.MARKER) == "train"
 
 
 def problems(app: AppDef, cfg: Mapping[str, Any]) -> List[str]:
@@ -64,30 +65,30 @@ def problems(app: AppDef, cfg: Mapping[str, Any]) -> List[str]:
     found = []
     if not isinstance(cfg.get("queue"), str) or not cfg.get("queue"):
         found.append("-cfg queue=NAME: the AWS Batch job queue (of a Spot compute environment) is required")
-    max_nodes = int(meta.get("elastic_ft.max_nodes", "1"))
+    max_nodes = int(meta.get(meta_keys.MAX_NODES, "1"))
     if max_nodes > MAX_ARRAY_SIZE:
         found.append(
             f"--nnodes: a max of {max_nodes} nodes is over AWS Batch's {MAX_ARRAY_SIZE:,} children "
             f"of an array job; give MIN:MAX with MAX <= {MAX_ARRAY_SIZE}"
         )
-    backend = meta.get("elastic_ft.rdzv_backend", "")
+    backend = meta.get(meta_keys.RDZV_BACKEND, "")
     rdzv_ok = False
     if backend != "etcd3":
         found.append(
             f"--rdzv_backend {backend}: on aws_batch the nodes are separate jobs with no rank-0 host for "
             "c10d to use; give --rdzv_backend etcd3 --rdzv_endpoint HOST:PORT of an etcd v3 server"
         )
-    elif meta.get("elastic_ft.rdzv_endpoint") != "given":
+    elif meta.get(meta_keys.RDZV_ENDPOINT) != "given":
         found.append("--rdzv_endpoint: give HOST:PORT of the etcd v3 server the nodes meet at")
     else:
         rdzv_ok = True
-    scheme = meta.get("elastic_ft.checkpoint_scheme", "")
+    scheme = meta.get(meta_keys.CHECKPOINT_SCHEME, "")
     if scheme != "s3":
         found.append(
             f"--checkpoint_uri: a {scheme}:// URI is local to one node; on aws_batch every node reads "
             "and writes the same checkpoints: give s3://BUCKET/PREFIX"
         )
-    if not meta.get("elastic_ft.run_id"):
+    if not meta.get(meta_keys.RUN_ID):
         found.append(
             "--run_id: required on aws_batch, the rendezvous id and checkpoint directory that a retried "
             "or resubmitted node must find again (e.g. --run_id llama8b-sft-1)"
@@ -212,8 +213,8 @@ def _tags(app: AppDef, cfg: Mapping[str, Any]) -> Dict[str, str]:
         stock.TAG_TORCHX_VER: torchx.__version__,
         stock.TAG_TORCHX_APPNAME: app.name,
         stock.TAG_TORCHX_USER: str(cfg.get("user") or ""),
-        MARKER: app.metadata[MARKER],
-        "elastic_ft.run_id": app.metadata.get("elastic_ft.run_id", ""),
+        meta_keys.MARKER: app.metadata[meta_keys.MARKER],
+        meta_keys.RUN_ID: app.metadata.get(meta_keys.RUN_ID, ""),
     }
 
 

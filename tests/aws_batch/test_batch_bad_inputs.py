@@ -11,7 +11,9 @@ from tests.conftest import explain
 CASES = {
     "nnodes min 0": ({"nnodes": "0:8"}, "queue=q", "--nnodes '0:8': need 1 <= MIN <= MAX"),
     "nnodes min over max": ({"nnodes": "8:2"}, "queue=q", "--nnodes '8:2': need 1 <= MIN <= MAX"),
-    "nnodes over 10000": ({"nnodes": "2:10001"}, "queue=q", "--nnodes: a max of 10001 nodes is over"),
+    # A global batch that 10001 nodes of 2 processes fit, so that only AWS Batch's limit is in the way.
+    "nnodes over 10000": ({"nnodes": "2:10001", "overrides": ("steps=5", "batch.global_batch=20002")}, "queue=q",
+                          "--nnodes: a max of 10001 nodes is over"),
     "no queue": ({}, "user=alice", "missing required option: `queue`"),
     "file checkpoint": ({"checkpoint_uri": "file:///data/runs"}, "queue=q",
                         "--checkpoint_uri: a file:// URI is local to one node"),

@@ -92,7 +92,7 @@ def test_replicas_size_the_array_and_gpu_memory_resources():
 
 def test_efa_interfaces_are_mounted_into_the_container():
     """The devices of an EFA host type (aws_p4d.24xlarge: 4) reach the job definition, as torchx maps them."""
-    container = dryrun(train_args(h="aws_p4d.24xlarge", nproc_per_node="8")).request.job_definition[
+    container = dryrun(train_args(h="aws_p4d.24xlarge", nproc_per_node="8", nnodes="2:4")).request.job_definition[
         "containerProperties"]
     assert container["linuxParameters"]["devices"] == [
         {"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",

@@ -4,7 +4,8 @@ import shlex
 
 import pytest
 
-from elastic_ft.components import parse_nnodes, train
+from elastic_ft.components import train
+from elastic_ft.submission.arguments import parse_nnodes
 
 
 @pytest.mark.parametrize("text,expected", [("1", (1, 1)), ("4", (4, 4)), ("2:8", (2, 8)), (" 1:1 ", (1, 1))])
