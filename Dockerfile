@@ -44,7 +44,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 RUN python3 -m venv /opt/venv
 
 WORKDIR /opt/elastic_ft
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml setup.py README.md ./
 # torch first, from the variant's index and at the version constraints.txt holds,
 # in a layer of its own that a code change does not rebuild.
 RUN pip install --index-url "${ELASTIC_FT_TORCH_INDEX}" -c constraints.txt "torch==2.13.*"
