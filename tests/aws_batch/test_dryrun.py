@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 import torchx
 from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_APPNAME, TAG_TORCHX_USER, TAG_TORCHX_VER
 
 from elastic_ft.aws_batch.request import ArrayJobRequest
 from elastic_ft.components import train
 from tests.aws_batch.conftest import CHECKPOINTS, ETCD, RUN_ID, dryrun, scheduler_request, torchx as torchx_cli, train_args
+from elastic_ft.submission.arguments import ComponentArgumentError
 from tests.conftest import explain
+from tests.unit.injection import PROBES, QUOTED, REFUSED, fired, probes, received, run_planned
+from tests.unit.injection import markers  # noqa: F401 - the fixture
 
 LINE = (
     f"torchrun --rdzv_backend etcd3 --rdzv_endpoint {ETCD} --rdzv_id {RUN_ID} --nnodes 2:8 "
@@ -157,3 +161,55 @@ def test_component_marks_its_app_with_tag_safe_facts():
     odd = train(rdzv_backend="my$backend;", checkpoint_uri="./runs").metadata
     assert odd["elastic_ft.rdzv_backend"] == "other" and odd["elastic_ft.checkpoint_scheme"] == "other"
     assert odd["elastic_ft.run_id"] == "" and odd["elastic_ft.rdzv_endpoint"] == ""
+
+
+# Shell injection: the container's bash line quotes every user-supplied argument, or the component refuses it.
+
+
+def _with(flag: str, text: str) -> list[str]:
+    """The good arguments with ``flag`` (``--``: the one override) given ``text``."""
+    if flag == "--":
+        return train_args(overrides=(text,))
+    return train_args(**{flag[2:]: text})
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("flag,template", QUOTED)
+def test_user_text_reaches_torchrun_intact_in_the_container(flag, template, probe, markers, tmp_path):
+    text = template.replace("@", probes(markers)[probe])
+    container = dryrun(_with(flag, text)).request.job_definition["containerProperties"]
+    assert container["command"][:2] == ["bash", "-c"]
+    env = {e["name"]: e["value"] for e in container["environment"]}
+    argv, environ = run_planned(container["command"][2], env, tmp_path)
+    assert fired(markers) == []
+    assert received(flag, argv, environ) == text
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("flag,template", REFUSED)
+def test_text_that_is_no_endpoint_run_id_env_name_or_node_count_plans_nothing(flag, template, probe, markers):
+    text = template.replace("@", probes(markers)[probe])
+    with pytest.raises(ComponentArgumentError) as info:
+        dryrun(_with(flag, text))
+    assert str(info.value).startswith(flag) and "\n" not in str(info.value), str(info.value)
+    assert fired(markers) == []
+
+
+@pytest.mark.torchrun
+def test_cli_dryrun_plans_a_container_that_runs_no_probe(markers, tmp_path):
+    """``torchx run -s aws_batch --dryrun`` with every probe in every quoted argument: the printed command runs none."""
+    every = "".join(probes(markers).values())
+    args = train_args(overrides=(f"steps=1{every}",), spec=f"specs/x{every}.yaml", log_dir=f"logs{every}",
+                      checkpoint_uri=f"s3://bucket/runs{every}", rdzv_conf=f"note=x{every}", env=f"X=a{every}")
+    proc = torchx_cli("run", "-s", "aws_batch", "--dryrun", "-cfg", "queue=q", "elastic_ft.train", *args)
+    assert proc.returncode == 0, explain(proc)
+    container = scheduler_request(proc.stdout)["register_job_definition"]["containerProperties"]
+    env = {e["name"]: e["value"] for e in container["environment"]}
+    argv, environ = run_planned(container["command"][2], env, tmp_path)
+    assert fired(markers) == []
+    assert [flag(argv, "--spec"), flag(argv, "--log_dir"), argv[-1], environ["X"]] == [
+        f"specs/x{every}.yaml", f"logs{every}", f"steps=1{every}", f"a{every}"]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]

@@ -1,5 +1,6 @@
 """The torchx component (elastic_ft.components): argument checks and the AppDef it builds."""
 
+import os
 import shlex
 
 import pytest
@@ -196,3 +197,129 @@ def test_efa_interfaces_follow_the_named_host_type_or_efa():
     assert own.env["FI_PROVIDER"] == "tcp"  # --env wins
     with pytest.raises(ValueError, match="--efa must be -1"):
         train(efa=-2)
+
+
+# Shell injection: every user-supplied argument is quoted in the nodes' bash line, or refused.
+
+from elastic_ft.submission.arguments import ComponentArgumentError, check_rdzv_endpoint  # noqa: E402
+from tests.unit.injection import PROBES, QUOTED, REFUSED, fired, probes, received, run_planned  # noqa: E402
+from tests.unit.injection import markers  # noqa: E402,F401 - the fixture
+
+
+def local_cwd_request(*args: str):
+    """The first replica local_cwd would start for ``elastic_ft.train ARGS`` (torchx's parsing and macros applied)."""
+    from torchx.runner import get_runner
+
+    with get_runner() as runner:
+        info = runner.dryrun_component("elastic_ft.train", ["--nproc_per_node", "1", *args], "local_cwd", cfg={})
+    return info.request.role_params["trainer"][0]
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("flag,template", QUOTED)
+def test_user_text_reaches_torchrun_intact_on_local_cwd(flag, template, probe, markers, tmp_path):
+    text = template.replace("@", probes(markers)[probe])
+    replica = local_cwd_request(flag, text)
+    assert replica.args[-2] == "-c"
+    argv, environ = run_planned(replica.args[-1], replica.env, tmp_path)
+    assert fired(markers) == []
+    assert received(flag, argv, environ) == text
+
+
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("flag,template", REFUSED)
+def test_text_that_is_no_endpoint_run_id_env_name_or_node_count_is_refused(flag, template, probe, markers):
+    # --rdzv_endpoint 'h:2379$(cmd)' was left unquoted for bash ("$" meant the rank-0 variable): cmd ran on every node.
+    text = template.replace("@", probes(markers)[probe])
+    with pytest.raises(ComponentArgumentError) as info:
+        local_cwd_request(flag, text)
+    message = str(info.value)
+    assert message.startswith(flag) and "\n" not in message, message
+    assert fired(markers) == []
+
+
+def test_the_default_rank0_endpoint_is_the_one_text_bash_expands(tmp_path):
+    replica = local_cwd_request("--nnodes", "2")
+    argv, _ = run_planned(replica.args[-1], replica.env, tmp_path)
+    assert flag(argv, "--rdzv_endpoint") == f"{replica.env['TORCHX_RANK0_HOST']}:29500"
+    # The same text given by a user is refused (it is no HOST:PORT), never expanded.
+    with pytest.raises(ComponentArgumentError, match="^--rdzv_endpoint"):
+        train(nnodes="2", rdzv_endpoint="${TORCHX_RANK0_HOST:=localhost}:29500")
+
+
+@pytest.mark.parametrize("name", ["BASH_FUNC_torchrun%%", "BASH_ENV", "SHELLOPTS", "PS4", "1X", "A-B", ""])
+def test_env_names_bash_would_act_on_are_refused(name, markers, tmp_path):
+    # bash imports BASH_FUNC_torchrun%% as a function that replaces torchrun; BASH_ENV names a file it sources first.
+    value = f"() {{ touch {markers}/function; }}" if name.startswith("BASH_FUNC") else "x"
+    with pytest.raises(ComponentArgumentError, match="^--env: "):
+        train(env={name: value})
+    assert fired(markers) == []
+
+
+@pytest.mark.parametrize("endpoint,backend", [
+    ("10.0.0.5:2379", "etcd3"), ("etcd-0.example.com:2379,etcd-1:2379,etcd_2:2379", "etcd3"),
+    ("[::1]:2379", "etcd3"), ("[fd00::5]:2379,10.0.0.6:2379", "etcd3"), ("localhost:0", "c10d"),
+    ("node-1:29500", "c10d"), ("h:65535", "static"),
+])
+def test_endpoints_of_host_port_items_pass(endpoint, backend):
+    check_rdzv_endpoint(endpoint, backend)
+    args = dict(rdzv_backend=backend, rdzv_endpoint=endpoint)
+    assert flag(command(train(**args)), "--rdzv_endpoint") == endpoint
+
+
+@pytest.mark.parametrize("endpoint,backend,why", [
+    ("h", "etcd3", "is not HOST:PORT"), ("h:", "etcd3", "is not HOST:PORT"), (":2379", "etcd3", "is not HOST:PORT"),
+    ("http://h:2379", "etcd3", "is not HOST:PORT"), ("h:2379 ", "etcd3", "is not HOST:PORT"),
+    ("h:2379,", "etcd3", "is not HOST:PORT"), ("", "etcd3", "is not HOST:PORT"), ("-h:1", "etcd3", "is not HOST:PORT"),
+    ("h:70000", "etcd3", "must be between 1 and 65535"), ("h:0", "etcd3", "must be between 1 and 65535"),
+    ("a:1,b:2", "c10d", "c10d takes at most 1"), (",".join(["h:1"] * 17), "etcd3", "etcd3 takes at most 16"),
+    ("h" * 254 + ":1", "etcd3", "is not HOST:PORT"), ("${X}:29500", "c10d", "is not HOST:PORT"),
+])
+def test_endpoints_that_are_no_host_port_list_are_refused_naming_the_flag(endpoint, backend, why):
+    with pytest.raises(ValueError, match="^--rdzv_endpoint ") as info:
+        check_rdzv_endpoint(endpoint, backend)
+    assert why in str(info.value) and "\n" not in str(info.value)
+
+
+def _torchx_local_cwd(tmp_path, *args: str):
+    """``torchx run -s local_cwd elastic_ft.train ARGS`` as a user runs it, in a work directory of tmp_path."""
+    from tests.conftest import BIN, run
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [os.path.join(BIN, "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path}/torchx-logs",
+           "elastic_ft.train", "--nproc_per_node", "1", "--max_restarts", "0", *args]
+    return run(cmd, cwd=str(work), timeout=300)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_probes_in_every_quoted_argument_run_nothing_on_local_cwd(markers, tmp_path):
+    """One real local_cwd job with every probe in every argument that is quoted: torchrun starts, nothing else runs."""
+    from tests.conftest import explain
+
+    every = "".join(probes(markers).values())
+    spec = f"specs/x{every}.yaml"
+    # rdzv_conf: a key torch's c10d ignores, so that torchrun goes on to start the worker.
+    proc = _torchx_local_cwd(tmp_path, "--spec", spec, "--log_dir", f"logs{every}", "--checkpoint_uri",
+                             f"file://./runs{every}", "--rdzv_conf", f"note=x{every}", "--env", f"X=a{every}",
+                             "--", f"steps=1{every}")
+    assert proc.returncode != 0, explain(proc)
+    assert fired(markers) == [], explain(proc)
+    # The worker got the spec path whole, and refused it as a file that does not exist.
+    assert f"file {spec!r} does not exist" in proc.stdout + proc.stderr, explain(proc)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_an_endpoint_probe_is_refused_before_anything_runs_on_local_cwd(markers, tmp_path):
+    # 'localhost:0$(touch M)' was left unquoted: bash ran touch on every node before torchrun.
+    from tests.conftest import explain
+
+    every = "".join(probes(markers).values())
+    proc = _torchx_local_cwd(tmp_path, "--rdzv_endpoint", f"localhost:0{every}", "--", "steps=1")
+    assert fired(markers) == [], explain(proc)
+    assert proc.returncode == 1, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert proc.stderr.strip().splitlines()[-1].strip().startswith("--rdzv_endpoint 'localhost:0$(touch "), explain(proc)
+    assert not (tmp_path / "work" / "runs").exists(), explain(proc)
