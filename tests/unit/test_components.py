@@ -323,3 +323,58 @@ def test_an_endpoint_probe_is_refused_before_anything_runs_on_local_cwd(markers,
     assert "Traceback" not in proc.stderr, explain(proc)
     assert proc.stderr.strip().splitlines()[-1].strip().startswith("--rdzv_endpoint 'localhost:0$(touch "), explain(proc)
     assert not (tmp_path / "work" / "runs").exists(), explain(proc)
+
+
+# Under constant_global a world larger than global_batch cannot step: refused at submission.
+
+SPEC_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "specs", "llama-3.1-8b-lora-spot.yaml")
+
+
+def test_8_nodes_of_8_gpus_over_the_8b_specs_global_batch_is_refused_naming_both():
+    # The 8B spec (global_batch 32) on up to 8 nodes of 8 GPUs: the restart a joining node caused ended the run.
+    with pytest.raises(ComponentArgumentError) as info:
+        train(spec=SPEC_8B, nnodes="2:8", gpu=8, rdzv_backend="etcd3", rdzv_endpoint="10.0.0.5:2379")
+    message = str(info.value)
+    assert message.startswith("--nnodes 2:8 x --nproc_per_node 8 = 64 processes at most, more than "
+                              "batch.global_batch 32 of "), message
+    assert "give --nnodes with a max of at most 4" in message and "batch.global_batch=64" in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("overrides,kwargs", [
+    (("batch.global_batch=64",), {}),  # raised by an override, as the worker will read it
+    ((), {"nnodes": "2:4"}),  # 4 x 8 = 32: every process one sample
+    (("batch.policy=scale_with_world",), {}),  # the global batch follows the world
+])
+def test_a_world_the_batch_fits_passes(overrides, kwargs):
+    args = {"spec": SPEC_8B, "nnodes": "2:8", "gpu": 8, "rdzv_backend": "etcd3", "rdzv_endpoint": "10.0.0.5:2379",
+            **kwargs}
+    assert flag(command(train(*overrides, **args)), "--nproc_per_node") == "8"
+
+
+def test_more_processes_per_node_than_the_global_batch_names_nproc():
+    with pytest.raises(ComponentArgumentError, match=r"--nproc_per_node 4 = 4 processes .* give --nproc_per_node at "
+                                                     r"most 2, or raise batch.global_batch"):
+        train("batch.global_batch=2", nproc_per_node=4)
+
+
+def test_a_spec_not_readable_at_submission_is_left_to_the_worker(tmp_path):
+    # On aws_batch the spec may exist only in the image; a broken one is reported by the worker, as before.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch: [\n")
+    for spec in (str(tmp_path / "missing.yaml"), str(bad)):
+        assert flag(command(train(spec=spec, nnodes="64", nproc_per_node=8)), "--spec") == spec
+
+
+@pytest.mark.torchrun
+def test_torchx_refuses_the_world_in_one_line():
+    from tests.conftest import BIN, explain, run
+
+    proc = run([os.path.join(BIN, "torchx"), "run", "--dryrun", "-s", "local_cwd", "elastic_ft.train", "--nnodes",
+                "1:20", "--nproc_per_node", "2"], timeout=120)
+    assert proc.returncode == 1, explain(proc)
+    assert "Traceback" not in proc.stderr and "=== SCHEDULER REQUEST ===" not in proc.stdout, explain(proc)
+    last = proc.stderr.strip().splitlines()[-1].strip()
+    assert last.startswith("--nnodes 1:20 x --nproc_per_node 2 = 40 processes at most, more than batch.global_batch "
+                           "32 of 'specs/tiny-lora.yaml' under batch.policy constant_global"), explain(proc)
