@@ -15,15 +15,21 @@ file may exist only in the image). One small file, read once per submission.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from elastic_ft.config import BatchConfig, ConfigError, spec_from_dict
-from elastic_ft.config.spec_yaml import YamlInputError, read_yaml_file
 from elastic_ft.submission.arguments import shown
+
+if TYPE_CHECKING:
+    from elastic_ft.config import BatchConfig
 
 
 def spec_batch(spec: str, overrides: Sequence[str]) -> Optional[BatchConfig]:
     """The ``batch`` section of spec file ``spec`` with ``overrides`` applied, or None if it does not validate."""
+    # Imported here: torchx imports this module for every command that lists or runs components,
+    # and the spec's modules (about 0.4 s) are only needed when elastic_ft.train is run.
+    from elastic_ft.config import ConfigError, spec_from_dict
+    from elastic_ft.config.spec_yaml import YamlInputError, read_yaml_file
+
     try:
         raw = read_yaml_file(spec) or {}
     except YamlInputError:
