@@ -79,7 +79,7 @@ def train(
         run_id: stable id of the job across restarts and resubmissions (letters, digits, '.', '_', '-'; at most 128 characters); checkpoints live under checkpoint_uri/run_id (default: the spec's name)
         checkpoint_uri: where runs' checkpoints live: file://./runs, file:///abs/dir or s3://bucket/prefix
         rdzv_backend: rendezvous backend: c10d (one node hosts it), or etcd3 (no node holds the job's state; for spot)
-        rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: an etcd v3 server); default for c10d: the first node
+        rdzv_endpoint: rendezvous endpoint HOST:PORT (etcd3: HOST:PORT[,HOST:PORT...] of etcd v3 members); default for c10d: the first node
         rdzv_conf: extra rendezvous options key=value,... (e.g. join_timeout=600, and etcd3's TLS and auth options; the password only as password_env=VAR)
         max_restarts: times torchrun restarts failed workers before giving up (a spot leave on etcd3 costs none)
         replicas: node agents this submission starts (0: the max of nnodes); several submissions with the same run_id and etcd3 make heterogeneous nodes
@@ -89,7 +89,7 @@ def train(
         efa: EFA network interfaces per node, mounted into the container (/dev/infiniband/uverbsN; aws_batch) so NCCL's collectives between nodes take EFA, with FI_PROVIDER=efa unless set; -1 (default): the named host type's count (--h, e.g. aws_p4d.24xlarge: 4, aws_p5.48xlarge: 32), else none; 0: none
         memMB: memory per node in MB
         h: a named host type (scheduler specific), instead of cpu/gpu/memMB
-        env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG
+        env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG (shell variable names; not those bash acts on at start, such as BASH_ENV)
         log_dir: directory of events.jsonl (default: the spec's logging.dir, else the run's directory's logs/ for a file:// checkpoint_uri, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)
     """
     resource = with_efa(specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), efa)
