@@ -336,7 +336,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .store import EtcdStore
 
     options = parse_options(params.endpoint, params.config)
-    _keep_secrets_from_workers(options.secret_env)
+    # torch's agent starts each worker with a copy of its os.environ (torch 2.13's
+    # SubprocessHandler), and workers never talk to etcd: they get no etcd password
+    # nor state key. The options hold what was read.
+    for name in options.secret_env:
+        os.environ.pop(name, None)
     if os.environ.get(_SHARE_STORE_ENV) != "1":
         log.info("Setting %s=1: the etcd3 rendezvous keeps the agents' store in etcd.", _SHARE_STORE_ENV)
         os.environ[_SHARE_STORE_ENV] = "1"
@@ -348,7 +352,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise connection_error(exc) from exc
     run_prefix = options.run_prefix(params.run_id)
     backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix, secret=options.state_secret)
-    _log_state_authentication(params.run_id, backend.codec)
+    log.log(*backend.codec.protection(params.run_id))  # one line per agent; WARNING without a key
     store = EtcdStore(client, run_prefix + "store/")
     timeout = RendezvousTimeout(
         join=options.join_timeout,
@@ -382,31 +386,3 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     report_at_startup(client, run_prefix, params.max_nodes, [e.host for e in options.connection.endpoints])
     return handler
-
-
-def _keep_secrets_from_workers(names: tuple[str, ...]) -> None:
-    """Take the variables that held the etcd password or the state key out of this process' environment.
-
-    torch's agent starts each worker with a copy of its own ``os.environ``
-    (torch 2.13: ``SubprocessHandler`` copies it, then adds the worker's own
-    variables), and the workers never talk to etcd: they should not hold its
-    credentials. The handler keeps what it read in memory.
-    """
-    for name in names:
-        os.environ.pop(name, None)
-
-
-def _log_state_authentication(run_id: str, codec: Any) -> None:
-    """One line per agent: how the rendezvous state is protected (WARNING when it is not authenticated)."""
-    from .state_codec import KEY_ENV
-
-    if codec.authenticated:
-        log.info("Rendezvous %r: the state in %s is authenticated with a key from %s.",
-                 run_id, codec.key, codec.source)
-    else:
-        log.warning(
-            "Rendezvous %r: the state in etcd key %s is not authenticated (no %s and no etcd password): "
-            "whoever can write that key can change the membership; its pickle is checked to name only "
-            "the rendezvous state's types, so it cannot run code here. Set the same %s on every node, "
-            "or use etcd auth.", run_id, codec.key, KEY_ENV, KEY_ENV,
-        )

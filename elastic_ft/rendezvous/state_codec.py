@@ -63,6 +63,7 @@ import binascii
 import hashlib
 import hmac
 import io
+import logging
 import pickle
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -149,6 +150,21 @@ class StateCodec:
     def authenticated(self) -> bool:
         """Whether states are authenticated with a secret (False: integrity and type checks only)."""
         return self.source is not None
+
+    def protection(self, run_id: str) -> tuple[int, str, str, str]:
+        """``(level, format, run_id, key)`` of the agent's one log line on how the state is protected:
+        INFO with a key, WARNING without one."""
+        if self.authenticated:
+            return (logging.INFO, f"Rendezvous %r: the state in etcd key %s is authenticated with a key "
+                    f"from {self.source}.", run_id, self.key)
+        return (
+            logging.WARNING,
+            f"Rendezvous %r: the state in etcd key %s is not authenticated (no {KEY_ENV} and no etcd "
+            f"password): whoever can write that key can change the membership; its pickle is checked to "
+            f"name only the rendezvous state's types, so it cannot run code here. Set the same {KEY_ENV} "
+            f"on every node, or use etcd auth.",
+            run_id, self.key,
+        )
 
     def encode(self, state: bytes) -> bytes:
         """The value stored in etcd for ``state``."""
