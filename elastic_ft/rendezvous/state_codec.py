@@ -49,7 +49,9 @@ that left is resubmitted), and they must all read the same state.
 
 Cost: one PBKDF2 per agent start (about 0.1 s); per state read or write one
 HMAC over the state, which grows linearly with the number of nodes (about
-100 bytes each).
+80 bytes each; well under a millisecond at 64 nodes), and without a key one
+more load of the pickle, as costly as torch's own (about 1 ms at 64 nodes,
+9 ms at 512, measured on this 2-core host).
 
 A state written by one version of this module is not read by another version:
 stop the job's agents and delete the key (the messages say how); training
