@@ -385,9 +385,8 @@ def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc
         job_env["FI_PROVIDER"] = "efa"
     job_env.update(passthrough_env(environ))
     if "ELASTIC_FT_RDZV_KEY" in (env or {}):  # state_codec.KEY_ENV (not imported: it loads torch)
-        raise ValueError("--env: ELASTIC_FT_RDZV_KEY would put the rendezvous key on the command line and in the "
-                         "job definition; set it in the submitting environment (local_cwd passes it on) or as a "
-                         "scheduler secret (aws_batch: -cfg secrets=ELASTIC_FT_RDZV_KEY:ARN)")
+        raise ValueError("--env: ELASTIC_FT_RDZV_KEY would put the rendezvous key on the command line and in the job definition; "
+                         "set it in the submitting environment (local_cwd passes it on) or as a scheduler secret (aws_batch: -cfg secrets=ELASTIC_FT_RDZV_KEY:ARN)")
     job_env.update(env or {})
     return job_env
 

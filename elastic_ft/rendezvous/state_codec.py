@@ -67,6 +67,7 @@ import hmac
 import io
 import logging
 import pickle
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -202,7 +203,8 @@ class StateCodec:
         return state
 
     def _other_key(self, key_id: bytes) -> str:
-        shown = key_id[:_KEY_ID_CHARS].decode("ascii", "replace")
+        # Written by whoever wrote the value: shown only if it has the shape of a key id (one line).
+        shown = key_id.decode() if re.fullmatch(rb"[0-9a-f]{%d}" % _KEY_ID_CHARS, key_id) else "unreadable"
         if key_id == _NO_KEY:
             return (f"it was written without a key, and this agent has one ({self.source}): every agent "
                     f"of the run needs the same {KEY_ENV} or etcd password")
@@ -238,7 +240,8 @@ class _StateUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in STATE_GLOBALS:
-            raise _ForbiddenGlobal(f"{module}.{name}"[:120])
+            # The names come from the stored value: printable and short, so the message stays one line.
+            raise _ForbiddenGlobal("".join(c if c.isprintable() else "?" for c in f"{module}.{name}"[:120]))
         return super().find_class(module, name)
 
 

@@ -101,6 +101,7 @@ def _refusals(codec: StateCodec) -> dict[str, bytes]:
         "other-key": StateCodec(StateSecret("an attacker's key, 32 characters", KEY_ENV), KEY).encode(payload),
         "no-key": StateCodec(None, KEY).encode(payload),
         "header-only": b"eft-state/2:",
+        "multi-line-key-id": b"eft-state/2:ab\ncd\n:" + good.split(b":", 2)[2],
     }
 
 
@@ -130,12 +131,15 @@ def test_refused_values_are_never_unpickled(case, monkeypatch):
     # A dotted name reaches attributes through an allowed class: refused too (exact names only).
     stack_global("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState.__init__"),
     stack_global("datetime", "datetime.now"),
+    stack_global("os\nline two", "system"),
     b"\x80\x02cposix\nsystem\n" + _short("true") + b"\x85R.",  # GLOBAL opcode, protocol 2
-], ids=["exec", "os.getcwd", "eval", "dotted-state-attr", "dotted-datetime", "protocol-2-global"])
+], ids=["exec", "os.getcwd", "eval", "dotted-state-attr", "dotted-datetime", "multi-line-name",
+         "protocol-2-global"])
 def test_without_a_key_a_pickle_naming_other_globals_is_refused_before_torch_loads_it(gadget):
     codec = StateCodec(None, KEY)
-    with pytest.raises(RendezvousStateError, match=f"etcd key '{KEY}' is refused: its pickle names "):
+    with pytest.raises(RendezvousStateError, match=f"etcd key '{KEY}' is refused: its pickle names ") as info:
         codec.decode(codec.encode(gadget))
+    assert "\n" not in str(info.value)
     assert not ran()
 
 
