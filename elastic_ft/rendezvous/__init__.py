@@ -9,8 +9,9 @@ finds :func:`elastic_ft.rendezvous.entry.etcd3_handler` through the
   retries, failover, TLS and auth, the lease), behind one ``EtcdClient``.
 - ``backend``: torch's ``RendezvousBackend``, the state as one key with
   compare-and-set on its revision.
-- ``state_codec``: how that state is written in etcd (digest, base64), so a
-  damaged value is reported, not handed to torch.
+- ``state_codec``: how that state is written in etcd (HMAC-SHA256 with the
+  job's key, base64), so that a value that does not verify is refused before
+  torch unpickles it.
 - ``store``: a ``torch.distributed.Store`` in etcd for the agents' bootstrap.
 - ``handler``: builds torch's ``DynamicRendezvousHandler`` from those.
 

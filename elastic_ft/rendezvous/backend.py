@@ -11,8 +11,10 @@ The key is attached to the writing client's lease (see
 keep writing heartbeats and expires ``lease_ttl`` seconds after the last one, so
 abandoned runs do not pile up in etcd.
 
-The value is encoded with a digest (:mod:`~elastic_ft.rendezvous.state_codec`),
-so a value damaged in etcd is reported rather than handed to torch.
+The value is authenticated with the job's key (:mod:`~elastic_ft.rendezvous.state_codec`):
+a value that does not verify (damaged, forged, another job's or an older
+version's) is refused with one line naming the key, never handed to torch,
+which would unpickle it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from .etcd import EtcdClient, EtcdClientError, KeyValue
-from .state_codec import decode_state, encode_state
+from .state_codec import StateCodec, StateSecret
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -31,22 +33,28 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         client: the etcd client (shared with the store of the same run).
         run_id: the rendezvous run id; must be non-empty and contain no ``/``.
         run_prefix: the run's key prefix, ending in ``/``.
+        secret: the job's secret that authenticates the state
+            (:func:`~elastic_ft.rendezvous.state_codec.state_secret`); None:
+            unauthenticated, the state's types checked instead.
 
     Raises (from both methods):
         RendezvousConnectionError: etcd did not answer within the retry window,
             or refused the request (credentials, permissions); the message names
             the endpoint and the cause is chained.
-        RendezvousStateError: the state stored in etcd is corrupt (see
+        RendezvousStateError: the state stored in etcd does not verify (see
             :mod:`~elastic_ft.rendezvous.state_codec`); the message names the key.
     """
 
-    def __init__(self, client: EtcdClient, run_id: str, run_prefix: str) -> None:
+    def __init__(
+        self, client: EtcdClient, run_id: str, run_prefix: str, *, secret: StateSecret | None
+    ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         if "/" in run_id:
             raise ValueError(f"The run id {run_id!r} must not contain '/': it is part of etcd keys.")
         self._client = client
         self._key = f"{run_prefix}state"
+        self.codec = StateCodec(secret, self._key)
 
     @property
     def name(self) -> str:
@@ -83,7 +91,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 return None if current is None else (*current, False)
         try:
             written, current = self._client.compare_and_put(
-                self._key, encode_state(state), revision
+                self._key, self.codec.encode(state), revision
             )
         except EtcdClientError as exc:
             raise connection_error(exc) from exc
@@ -95,7 +103,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return (state if written else self._decode(current)), current.mod_revision, written
 
     def _decode(self, current: KeyValue) -> bytes:
-        return decode_state(current.value, self._key)
+        return self.codec.decode(current.value)
 
 
 _MAX_REVISION = 2**63 - 1  # etcd revisions are int64

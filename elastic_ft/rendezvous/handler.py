@@ -336,6 +336,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .store import EtcdStore
 
     options = parse_options(params.endpoint, params.config)
+    # torch's agent starts each worker with a copy of its os.environ (torch 2.13's
+    # SubprocessHandler), and workers never talk to etcd: they get no etcd password
+    # nor state key. The options hold what was read.
+    for name in options.secret_env:
+        os.environ.pop(name, None)
     if os.environ.get(_SHARE_STORE_ENV) != "1":
         log.info("Setting %s=1: the etcd3 rendezvous keeps the agents' store in etcd.", _SHARE_STORE_ENV)
         os.environ[_SHARE_STORE_ENV] = "1"
@@ -346,7 +351,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     except EtcdClientError as exc:
         raise connection_error(exc) from exc
     run_prefix = options.run_prefix(params.run_id)
-    backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix, secret=options.state_secret)
+    log.log(*backend.codec.protection(params.run_id))  # one line per agent; WARNING without a key
     store = EtcdStore(client, run_prefix + "store/")
     timeout = RendezvousTimeout(
         join=options.join_timeout,

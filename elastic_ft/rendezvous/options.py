@@ -11,10 +11,18 @@ Several etcd members can be given either in the endpoint
 by ``;`` or ``|`` (``--rdzv-conf`` itself is split on commas). The client fails
 over between them in order.
 
-Credentials (``user`` with ``password`` or ``password_env``) need TLS
-(``ca_cert``): etcd's password authentication sends the password, and then a
-token that stands for the user, with every request. Without TLS they are
-refused unless ``insecure_auth=true`` says the network is trusted.
+Credentials (``user`` with ``password_env``, the name of an environment
+variable that holds the password) need TLS (``ca_cert``): etcd's password
+authentication sends the password, and then a token that stands for the user,
+with every request. Without TLS they are refused unless ``insecure_auth=true``
+says the network is trusted. ``password=`` itself is refused: ``--rdzv-conf``
+is on torchrun's command line, which every user of the node can read (``ps``).
+
+The secret that authenticates the rendezvous state (``ELASTIC_FT_RDZV_KEY``,
+else the etcd password; see :mod:`~elastic_ft.rendezvous.state_codec`) is
+resolved here too. The variables that held secrets are listed in
+:attr:`EtcdRendezvousOptions.secret_env`, so that the agent can take them out
+of the environment its workers inherit.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from .etcd import ConnectionSettings, Endpoint
+from .state_codec import KEY_ENV, StateSecret, state_secret
 
 # The largest number any option takes (seconds or a count): 115 days.
 _MAX_NUMBER = 10_000_000
@@ -77,6 +86,11 @@ class EtcdRendezvousOptions:
     heartbeat_timeout: timedelta | None = None
     keep_alive_interval: int = DEFAULT_KEEP_ALIVE_INTERVAL
     keep_alive_max_attempt: int = DEFAULT_KEEP_ALIVE_MAX_ATTEMPT
+
+    state_secret: StateSecret | None = None
+    """What authenticates the rendezvous state; None: nothing (its types are checked instead)."""
+    secret_env: tuple[str, ...] = ()
+    """The environment variables that held a secret read here (``password_env``'s, ``ELASTIC_FT_RDZV_KEY``)."""
 
     def run_prefix(self, run_id: str) -> str:
         """The key prefix of one run: its state key and its store live under it."""
@@ -257,23 +271,32 @@ def _tls(c: _Conf) -> tuple[str | None, str | None, str | None]:
 def _credentials(
     c: _Conf, environ: Mapping[str, str], tls: bool
 ) -> tuple[Any, Any]:
-    """``(user, password)``, the password from ``password`` or the variable ``password_env`` names.
+    """``(user, password)``, the password from the variable ``password_env`` names.
 
-    Credentials without TLS are a problem unless ``insecure_auth`` is true.
+    ``password=`` is a problem (it is on the command line), and so are
+    credentials without TLS unless ``insecure_auth`` is true.
     """
     user = c.conf.get("user")
-    password = c.conf.get("password")
+    password = None
     password_env = c.conf.get("password_env")
-    if password is None and password_env:
+    if "password" in c.conf:
+        # Never echo its value: the problem line is printed and logged.
+        c.problems.append(
+            "password: --rdzv-conf is on torchrun's command line, where every user of the node "
+            "sees it (ps); give password_env=VAR instead, the name of an environment variable "
+            "that holds the etcd password."
+        )
+    elif password_env:
         password = environ.get(str(password_env))
         if password is None:
             c.problems.append(
                 f"password_env: the environment variable {password_env!r} is not set."
             )
-    if (user is None) != (password is None):
+    given = password is not None or "password" in c.conf  # a refused password= has its own line
+    if (user is None) == given:
         c.problems.append("user/password: give both the etcd user and its password, or neither.")
     insecure_auth = c.flag("insecure_auth")
-    if (user is not None or password is not None) and not tls and not insecure_auth:
+    if (user is not None or given) and not tls and not insecure_auth:
         # Without TLS, etcd's Authenticate call carries the password in clear
         # text, and the token it returns lets anyone on the path act as the user.
         c.problems.append(
@@ -328,8 +351,20 @@ def parse_options(
         password=password,
     )
     torch_settings = _torch_settings(c)
+    try:
+        secret = state_secret(environ, password)
+    except ValueError as exc:
+        c.problems.append(str(exc))
+        secret = None
+    secret_env = tuple(
+        name for name, read in ((str(c.conf.get("password_env")), password is not None),
+                                (KEY_ENV, KEY_ENV in environ)) if read
+    )
     if c.problems:
         raise ValueError(
             "The etcd3 rendezvous options are invalid:\n  - " + "\n  - ".join(c.problems)
         )
-    return EtcdRendezvousOptions(connection=connection, key_prefix=key_prefix, **torch_settings)
+    return EtcdRendezvousOptions(
+        connection=connection, key_prefix=key_prefix, state_secret=secret, secret_env=secret_env,
+        **torch_settings,
+    )

@@ -130,6 +130,10 @@ def check_env(env: Mapping[str, str]) -> None:
         if name in BASH_START_VARIABLES:
             raise ValueError(f"--env: {name} would make bash run code before torchrun on every node; "
                              "leave it out (set the image up instead)")
+        if name == "ELASTIC_FT_RDZV_KEY":  # state_codec.KEY_ENV (not imported: it loads torch)
+            raise ValueError("--env: ELASTIC_FT_RDZV_KEY would put the rendezvous key on the command line and in the "
+                             "job definition; set it in the submitting environment (local_cwd passes it on) or as a "
+                             "scheduler secret (aws_batch: -cfg secrets=ELASTIC_FT_RDZV_KEY:ARN)")
 
 
 def check_arguments(

@@ -219,3 +219,65 @@ def secret_parameter_problems(template: Template) -> list[str]:
         ):
             problems.append(f"parameter {name} looks like a secret value; take a secret's ARN instead")
     return problems
+
+
+def etcd_user_data(template: Template) -> str:
+    """The etcd members' boot script (the launch template's user data, before substitution)."""
+    data = template["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"]
+    return str(data["UserData"]["Fn::Base64"]["Fn::Sub"][0])
+
+
+def etcd_rbac_problems(template: Template) -> list[str]:
+    """etcd RBAC: the training user may read and write only TrainingKeyPrefix; root is apart.
+
+    In the boot script: root from its own secret with the root role, the training
+    user from its secret with one role, that role granted readwrite on the prefix
+    parameter (as a prefix) and nothing else, all before ``auth enable``; and the
+    prefix parameter cannot be ``/`` (every key).
+    """
+    import re
+
+    lines = [line.strip() for line in etcd_user_data(template).replace("\\\n", " ").splitlines()]
+    lines = [re.sub(r"\s+", " ", line) for line in lines if line and not line.startswith("#")]
+
+    def at(pattern: str) -> int | None:
+        return next((i for i, line in enumerate(lines) if re.search(pattern, line)), None)
+
+    def created_from(user: str, secret: str) -> str | None:
+        """A problem unless ``user`` is added with the password the line before read from ``secret``."""
+        add = at(rf"\| etcdctl user add {user} --interactive=false$")
+        read = at(rf"--secret-id '\$\{{{secret}\}}'")
+        if add is None or read is None or not 0 < add - read <= 3 or any(
+            "--secret-id" in line for line in lines[read + 1:add]
+        ):
+            return f"etcd RBAC: user {user} must be added with the password read from {secret}"
+        return None
+
+    problems = [p for p in (created_from("root", "EtcdRootPasswordSecretArn"),
+                            created_from("training", "EtcdPasswordSecretArn")) if p]
+    required = {
+        "root has the root role": r"etcdctl user grant-role root root$",
+        "a training role exists": r"etcdctl role add training$",
+        "the training role may read and write the prefix": (
+            r"etcdctl role grant-permission training --prefix=true readwrite '\$\{TrainingKeyPrefix\}'$"),
+        "the training user has the training role": r"etcdctl user grant-role training training$",
+    }
+    enable = at(r"etcdctl auth enable$")
+    if enable is None:
+        problems.append("etcd RBAC: the boot script never runs 'etcdctl auth enable'")
+    for what, pattern in required.items():
+        i = at(pattern)
+        if i is None:
+            problems.append(f"etcd RBAC: {what} (no line matches {pattern!r})")
+        elif enable is not None and i > enable:
+            problems.append(f"etcd RBAC: {what} only after 'auth enable'")
+    for line in lines:
+        if "grant-permission" in line and not re.search(required["the training role may read and write the prefix"], line):
+            problems.append(f"etcd RBAC: a permission beyond the training prefix: {line!r}")
+        m = re.search(r"etcdctl user grant-role (\S+) (\S+)", line)
+        if m and m.groups() not in {("root", "root"), ("training", "training")}:
+            problems.append(f"etcd RBAC: user {m.group(1)} must have only its own role, not {m.group(2)}")
+    pattern = template.get("Parameters", {}).get("TrainingKeyPrefix", {}).get("AllowedPattern")
+    if pattern is None or re.fullmatch(pattern, "/") or not re.fullmatch(pattern, "/elastic_ft/"):
+        problems.append("TrainingKeyPrefix: its AllowedPattern must refuse '/' (every key) and allow /elastic_ft/")
+    return problems

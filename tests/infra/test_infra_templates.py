@@ -169,3 +169,43 @@ def test_etcd_user_data_passes_shellcheck(tmp_path):
 def _user_data() -> str:
     data = load_template("etcd")["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"]
     return str(data["UserData"]["Fn::Base64"]["Fn::Sub"][0])
+
+
+def test_etcd_training_user_is_limited_to_its_prefix_and_root_is_apart():
+    assert checks.etcd_rbac_problems(load_template("etcd")) == []
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("etcdctl role grant-permission training --prefix=true readwrite '${TrainingKeyPrefix}'", "true",
+     "the training role may read and write the prefix"),
+    ("--prefix=true readwrite '${TrainingKeyPrefix}'", "--prefix=true readwrite '/'", "a permission beyond"),
+    ("readwrite '${TrainingKeyPrefix}'", "readwrite '${TrainingKeyPrefix}' '/zzz'", "a permission beyond"),
+    ("etcdctl user grant-role training training", "etcdctl user grant-role training root",
+     "user training must have only its own role, not root"),
+    ("etcdctl user grant-role root root", "true", "root has the root role"),
+    ("'${EtcdRootPasswordSecretArn}'", "'${EtcdPasswordSecretArn}'",
+     "user root must be added with the password read from EtcdRootPasswordSecretArn"),
+    ("etcdctl user add training", "etcdctl user add trainer", "user training must be added"),
+    ("etcdctl auth enable\n", "", "never runs 'etcdctl auth enable'"),
+])
+def test_rbac_check_catches_a_wider_or_missing_grant(old, new, expected):
+    template = load_template("etcd")
+    sub = template["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]["Fn::Sub"]
+    assert old in sub[0]
+    sub[0] = sub[0].replace(old, new)
+    assert any(expected in p for p in checks.etcd_rbac_problems(template)), checks.etcd_rbac_problems(template)
+
+
+def test_rbac_check_catches_auth_enabled_before_the_grants():
+    template = load_template("etcd")
+    sub = template["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]["Fn::Sub"]
+    assert sub[0].count("etcdctl auth enable\n") == 1
+    text = sub[0].replace("etcdctl auth enable\n", "")
+    sub[0] = text.replace("etcdctl user get root", "etcdctl auth enable\netcdctl user get root")
+    assert any("only after 'auth enable'" in p for p in checks.etcd_rbac_problems(template))
+
+
+def test_rbac_check_catches_a_prefix_parameter_that_allows_every_key():
+    template = load_template("etcd")
+    template["Parameters"]["TrainingKeyPrefix"]["AllowedPattern"] = "^/[A-Za-z0-9_./-]*/?$"
+    assert any("must refuse '/'" in p for p in checks.etcd_rbac_problems(template))

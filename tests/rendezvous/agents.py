@@ -144,9 +144,10 @@ def torchrun_agent(
     conf: str = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1",
     name: str = "agent",
     job_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Agent:
     """A plain ``torchrun --rdzv-backend=etcd3`` agent running the gloo test job
-    (``job_args``: more options of gloo_job.py)."""
+    (``job_args``: more options of gloo_job.py; ``env``: the agent's environment, default :func:`child_env`)."""
     cmd = [
         str(Path(sys.executable).parent / "torchrun"),
         "--nnodes", nnodes,
@@ -160,7 +161,7 @@ def torchrun_agent(
         str(GLOO_JOB), "--out", str(out), "--steps", str(steps), "--step-time", str(step_time),
         *job_args,
     ]
-    return Agent(cmd, out / f"{name}.log")
+    return Agent(cmd, out / f"{name}.log", env=env)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -15,6 +15,10 @@ fail for good (with ``--max-restarts 0``); run again, the job resumes.
 sees the file (every rank learns it in that step's ``all_reduce``): a test
 whose job must outlast a fault it cannot time ends it once its checks passed.
 
+``--report-env NAME`` (repeatable) adds to the worker's record which of the
+named variables its environment holds (names only, never values): a test
+checks that the agent keeps its secrets from its workers.
+
 ``--step-time`` paces steps so a test can act while the job runs; the pause
 is the job's simulated compute, not a test waiting for a condition.
 """
@@ -58,6 +62,8 @@ def main() -> None:
                         help="seconds the process group's start and each collective wait for a peer")
     parser.add_argument("--stop-file", default=None,
                         help="end after the step in which rank 0 sees this file (instead of at --steps)")
+    parser.add_argument("--report-env", action="append", default=[],
+                        help="a variable name; the record lists those present in the environment")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -75,6 +81,7 @@ def main() -> None:
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "agent_pid": os.getppid(),
             "pid": os.getpid(),
+            "env_present": sorted(name for name in args.report_env if name in os.environ),
         },
     )
 

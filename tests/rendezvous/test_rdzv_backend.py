@@ -3,13 +3,14 @@
 The cases torch's own backend tests cover: first write, stale token (a
 token that is no revision is stale too), concurrent writers, TTL expiry,
 connection loss, a corrupt value in etcd; plus recovery from an etcd restart
-through the client's retries, and reading the raw state older versions wrote.
+through the client's retries, and the state's authentication: a value written
+with another key, tampered, truncated or a raw pickle is refused, never unpickled.
 """
 
 from __future__ import annotations
 
+import base64
 import pickle
-import re
 import threading
 import time
 
@@ -19,12 +20,19 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from elastic_ft.rendezvous.backend import EtcdV3RendezvousBackend
 from elastic_ft.rendezvous.etcd import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
+from elastic_ft.rendezvous import state_codec
+from elastic_ft.rendezvous.state_codec import KEY_ENV, StateCodec, StateSecret
+
+JOB_KEY = StateSecret("the job's rendezvous key, 32 chars", KEY_ENV)
 
 
-def make_backend(endpoint: str, run_id: str, **conf: str) -> EtcdV3RendezvousBackend:
-    options = parse_options(endpoint, conf)
+def make_backend(
+    endpoint: str, run_id: str, secret: StateSecret | None = None, **conf: str
+) -> EtcdV3RendezvousBackend:
+    """A backend as torch's contract tests use it: a plain etcd, no key (unless ``secret``)."""
+    options = parse_options(endpoint, conf, environ={})
     client = EtcdClient(options.connection, name=run_id)
-    return EtcdV3RendezvousBackend(client, run_id, options.run_prefix(run_id))
+    return EtcdV3RendezvousBackend(client, run_id, options.run_prefix(run_id), secret=secret)
 
 
 def raw_client(endpoint: str, run_id: str) -> EtcdClient:
@@ -170,54 +178,101 @@ def test_token_that_is_not_a_revision_is_stale(etcd, run_id, token):
     assert a.get_state() == (b"v1", current)
 
 
-def test_state_is_stored_encoded_not_raw(etcd, run_id):
-    backend = make_backend(etcd.endpoint, run_id)
+@pytest.mark.parametrize("secret", [None, JOB_KEY], ids=["no-key", "key"])
+def test_state_is_stored_authenticated_not_raw(etcd, run_id, secret):
+    backend = make_backend(etcd.endpoint, run_id, secret)
     state = pickle.dumps({"round": 3, "participants": ["node-a"]})
     backend.set_state(state)
     stored = raw_client(etcd.endpoint, run_id).get(backend.key)[0].value
-    assert stored.startswith(b"eft-state/1:")
+    assert stored.startswith(b"eft-state/2:" + backend.codec.key_id + b":")
     assert state not in stored
+    assert make_backend(etcd.endpoint, run_id, secret).get_state()[0] == state
 
 
-def _corrupt(encoded: bytes) -> dict[str, bytes]:
-    """Ways the value in etcd can be damaged, keyed by a readable name."""
+class _Payload:
+    """Unpickling this touches ``path``: proof that a value was loaded."""
+
+    def __init__(self, path) -> None:  # type: ignore[no-untyped-def]
+        self.path = str(path)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (exec, (f"open({self.path!r}, 'w').close()",))
+
+
+def _refused_values(encoded: bytes, payload: bytes, forged: dict[str, bytes]) -> dict[str, bytes]:
+    """Values an etcd writer (or damage) can leave in the key, keyed by a readable name."""
     header, body = encoded.rsplit(b":", 1)
     return {
         "truncated-body": header + b":" + body[:-4],  # still valid base64
         "altered-body": header + b":" + (b"A" if body[:1] != b"A" else b"B") + body[1:],
         "not-base64": header + b":" + body[:-2] + b"!!",
-        "no-digest": b"eft-state/1:" + body,
+        "no-tag": b"eft-state/2:" + body,
         "raw-text": b"hello, not a state",
-        "truncated-pickle": pickle.dumps({"x": 1})[:-1],
+        "raw-pickle": payload,
+        "truncated-raw-pickle": payload[:-1],
+        "older-format": b"eft-state/1:0123456789abcdef:" + base64.b64encode(payload),
         "empty": b"",
+        **forged,
     }
 
 
-@pytest.mark.parametrize("damage", list(_corrupt(b"eft-state/1:0123456789abcdef:AAAA")))
-def test_corrupt_state_in_etcd_is_a_state_error(etcd, run_id, damage):
-    backend = make_backend(etcd.endpoint, run_id)
+def _forged(run_id: str, key: str, payload: bytes) -> dict[str, bytes]:
+    """The payload in our envelope, written by someone without the job's key."""
+    return {
+        "other-key": StateCodec(StateSecret("another job's key, 32 characters", KEY_ENV), key).encode(payload),
+        "other-run": StateCodec(JOB_KEY, key.replace(run_id, run_id + "-other")).encode(payload),
+        "no-key": StateCodec(None, key).encode(payload),
+    }
+
+
+@pytest.mark.parametrize("damage", [
+    "truncated-body", "altered-body", "not-base64", "no-tag", "raw-text", "raw-pickle", "truncated-raw-pickle",
+    "older-format", "empty", "other-key", "other-run", "no-key",
+])
+def test_unverified_state_is_refused_naming_the_key_and_never_unpickled(
+    etcd, run_id, damage, tmp_path, monkeypatch
+):
+    backend = make_backend(etcd.endpoint, run_id, JOB_KEY)
     _, token, _ = backend.set_state(pickle.dumps({"round": 1, "nodes": list(range(20))}))
     raw = raw_client(etcd.endpoint, run_id)
-    encoded = raw.get(backend.key)[0].value
-    raw.put_many([(backend.key, _corrupt(encoded)[damage])], lease=False)
-    with pytest.raises(RendezvousStateError, match=f"etcd key '{re.escape(backend.key)}' is corrupt"):
+    payload = pickle.dumps(_Payload(tmp_path / "loaded"))
+    values = _refused_values(raw.get(backend.key)[0].value, payload, _forged(run_id, backend.key, payload))
+    raw.put_many([(backend.key, values[damage])], lease=False)
+
+    def never(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the refused state was unpickled")
+
+    monkeypatch.setattr(pickle, "loads", never)
+    monkeypatch.setattr(state_codec, "check_state_types", never)
+    with pytest.raises(RendezvousStateError) as info:
         backend.get_state()
-    # A writer with the old token loses and is handed the corrupt state: refused too.
-    with pytest.raises(RendezvousStateError, match="is corrupt"):
-        make_backend(etcd.endpoint, run_id).set_state(b"next", token)
+    message = str(info.value)
+    assert f"etcd key '{backend.key}' is refused" in message and "\n" not in message
+    # A writer with the old token loses and is handed the refused state: refused too.
+    with pytest.raises(RendezvousStateError, match="is refused"):
+        make_backend(etcd.endpoint, run_id, JOB_KEY).set_state(b"next", token)
+    assert not (tmp_path / "loaded").exists()
 
 
-def test_raw_pickled_state_of_an_older_version_is_still_read(etcd, run_id):
+def test_state_without_a_key_may_name_only_the_rendezvous_state_types(etcd, run_id, tmp_path):
+    """A plain etcd, no key: whoever can write it can forge the envelope, so the pickle's
+    globals are checked before torch would load it."""
     backend = make_backend(etcd.endpoint, run_id)
-    legacy = pickle.dumps({"round": 7, "participants": ["node-a"]})
-    raw = raw_client(etcd.endpoint, run_id)
-    raw.put_many([(backend.key, legacy)], lease=False)
-    state, token = backend.get_state()
-    assert state == legacy
-    # The next write replaces it with the encoded form, readable by a new reader.
-    assert backend.set_state(legacy + b"", token)[2]
-    assert raw.get(backend.key)[0].value.startswith(b"eft-state/1:")
-    assert make_backend(etcd.endpoint, run_id).get_state()[0] == legacy
+    forged = StateCodec(None, backend.key).encode(pickle.dumps(_Payload(tmp_path / "loaded")))
+    raw_client(etcd.endpoint, run_id).put_many([(backend.key, forged)], lease=False)
+    with pytest.raises(RendezvousStateError, match=r"is refused: its pickle names builtins\.exec"):
+        backend.get_state()
+    assert not (tmp_path / "loaded").exists()
+
+
+def test_agents_with_different_keys_refuse_each_others_state(etcd, run_id):
+    mine = make_backend(etcd.endpoint, run_id, JOB_KEY)
+    mine.set_state(b"v1")
+    other = make_backend(etcd.endpoint, run_id, StateSecret("a different key, 32 characters.", KEY_ENV))
+    with pytest.raises(RendezvousStateError, match="written with another key .* every agent of the run"):
+        other.get_state()
+    with pytest.raises(RendezvousStateError, match="written with a key .* this agent has none"):
+        make_backend(etcd.endpoint, run_id).get_state()
 
 
 def test_connection_loss_raises_connection_error_naming_endpoint(etcd_private, run_id):

@@ -22,6 +22,7 @@ import elastic_ft.rendezvous
 from elastic_ft.rendezvous.entry import etcd3_handler
 from elastic_ft.rendezvous.handler import create_handler
 from elastic_ft.rendezvous.options import parse_options
+from elastic_ft.rendezvous.state_codec import KEY_ENV
 
 from etcd_server import ROOT_PASSWORD, EtcdServer
 from threads import run_in_threads
@@ -97,11 +98,8 @@ def test_options_accept_torch_v2_names_and_password_env(tls_files):
     assert "pw" not in repr(options)
 
 
-@pytest.mark.parametrize(
-    "credentials",
-    [{"user": "root", "password": "pw"}, {"user": "root", "password_env": "ETCD_TEST_PASSWORD"}],
-)
-def test_credentials_without_tls_are_refused_naming_ca_cert_and_insecure_auth(credentials):
+def test_credentials_without_tls_are_refused_naming_ca_cert_and_insecure_auth():
+    credentials = {"user": "root", "password_env": "ETCD_TEST_PASSWORD"}
     with pytest.raises(ValueError) as info:
         parse_options("127.0.0.1:1", credentials, environ={"ETCD_TEST_PASSWORD": "pw"})
     message = str(info.value)
@@ -111,13 +109,50 @@ def test_credentials_without_tls_are_refused_naming_ca_cert_and_insecure_auth(cr
 
 
 def test_insecure_auth_accepts_credentials_without_tls_and_must_be_a_boolean():
-    conf = {"user": "root", "password": "pw"}
-    options = parse_options("127.0.0.1:1", {**conf, "insecure_auth": "True"})
+    conf = {"user": "root", "password_env": "ETCD_TEST_PASSWORD"}
+    environ = {"ETCD_TEST_PASSWORD": "pw"}
+    options = parse_options("127.0.0.1:1", {**conf, "insecure_auth": "True"}, environ)
     assert (options.connection.user, options.connection.ca_cert) == ("root", None)
     with pytest.raises(ValueError, match="insecure_auth: 'maybe' is not a boolean; use true or false"):
-        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "maybe"})
+        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "maybe"}, environ)
     with pytest.raises(ValueError, match="insecure_auth=true"):
-        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "false"})
+        parse_options("127.0.0.1:1", {**conf, "insecure_auth": "false"}, environ)
+
+
+@pytest.mark.parametrize("conf", [
+    {"user": "root", "password": "s3cret-value", "ca_cert": __file__},
+    {"user": "root", "password": "s3cret-value", "password_env": "ETCD_TEST_PASSWORD", "ca_cert": __file__},
+    {"password": "s3cret-value"},
+])
+def test_password_in_rdzv_conf_is_refused_naming_password_env(conf):
+    """--rdzv-conf is on torchrun's command line (ps): plain torchrun refuses it as the component does."""
+    with pytest.raises(ValueError) as info:
+        parse_options("127.0.0.1:1", conf, environ={"ETCD_TEST_PASSWORD": "pw"})
+    lines = [line for line in str(info.value).splitlines() if line.strip().startswith("- password:")]
+    assert len(lines) == 1 and "give password_env=VAR instead" in lines[0] and "(ps)" in lines[0]
+    assert "s3cret-value" not in str(info.value)
+
+
+def test_options_name_the_secrets_read_from_the_environment(tls_files):
+    conf = {"ca_cert": tls_files.ca_cert, "user": "root", "password_env": "ETCD_TEST_PASSWORD"}
+    key = "k" * 32
+    options = parse_options("127.0.0.1:1", conf, environ={"ETCD_TEST_PASSWORD": "pw", KEY_ENV: key})
+    # The state key wins over the password; both variables are the agent's to hide from its workers.
+    assert (options.state_secret.value, options.state_secret.source) == (key, KEY_ENV)
+    assert set(options.secret_env) == {"ETCD_TEST_PASSWORD", KEY_ENV}
+    options = parse_options("127.0.0.1:1", conf, environ={"ETCD_TEST_PASSWORD": "pw"})
+    assert (options.state_secret.value, options.state_secret.source) == ("pw", "the etcd password")
+    assert options.secret_env == ("ETCD_TEST_PASSWORD",)
+    assert parse_options("127.0.0.1:1", {}, environ={}).state_secret is None
+    assert key not in repr(parse_options("127.0.0.1:1", {}, environ={KEY_ENV: key}))
+
+
+def test_a_short_state_key_is_refused_naming_the_variable_not_the_value():
+    with pytest.raises(ValueError) as info:
+        parse_options("127.0.0.1:1", {}, environ={KEY_ENV: "short-key"})
+    message = str(info.value)
+    assert f"{KEY_ENV}: the rendezvous key must have 16 to 4096 characters (it has 9)" in message
+    assert "short-key" not in message
 
 
 def test_no_endpoint_is_an_error():
@@ -221,6 +256,13 @@ def test_etcd_client_works_after_protobuf_was_imported_with_its_default_runtime(
 # -- TLS and auth ----------------------------------------------------------------------
 
 
+@pytest.fixture
+def root_password(monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    """The name of a variable holding etcd's root password (the agent takes it out of its environment)."""
+    monkeypatch.setenv("ETCD_TEST_PASSWORD", ROOT_PASSWORD)
+    return "ETCD_TEST_PASSWORD"
+
+
 def tls_conf(tls_files, **extra: str) -> dict[str, str]:
     conf = {
         "ca_cert": tls_files.ca_cert,
@@ -239,9 +281,9 @@ def assert_reads_its_write(client, run_id: str) -> None:
     assert client.get(key)[0].value == b"v"
 
 
-def test_tls_and_auth_work_with_the_right_credentials(etcd_tls, tls_files, run_id):
+def test_tls_and_auth_work_with_the_right_credentials(etcd_tls, tls_files, run_id, root_password):
     handler = create_handler(
-        params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password=ROOT_PASSWORD))
+        params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password_env=root_password))
     )
     backend = handler._state_holder._backend
     state, _, written = backend.set_state(b"secure")
@@ -259,14 +301,16 @@ def test_tls_and_auth_fail_clearly_without_credentials(etcd_tls, tls_files, run_
     assert etcd_tls.endpoint in str(info.value)
 
 
-def test_tls_and_auth_fail_clearly_with_a_wrong_password(etcd_tls, tls_files, run_id):
+def test_tls_and_auth_fail_clearly_with_a_wrong_password(etcd_tls, tls_files, run_id, monkeypatch):
     # The handler connects when it is built, as torch's c10d one does: it fails there.
+    monkeypatch.setenv("ETCD_TEST_WRONG_PASSWORD", "wrong")
+    conf = tls_conf(tls_files, user="root", password_env="ETCD_TEST_WRONG_PASSWORD")
     with pytest.raises(RendezvousConnectionError, match="user and password"):
-        create_handler(params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root", password="wrong")))
+        create_handler(params(etcd_tls.endpoint, run_id, **conf))
 
 
-def test_tls_server_without_tls_options_fails_naming_endpoint_and_tls(etcd_tls, run_id):
-    conf = dict(user="root", password=ROOT_PASSWORD, insecure_auth="true", retry_timeout="1")
+def test_tls_server_without_tls_options_fails_naming_endpoint_and_tls(etcd_tls, run_id, root_password):
+    conf = dict(user="root", password_env=root_password, insecure_auth="true", retry_timeout="1")
     with pytest.raises(RendezvousConnectionError, match="TLS options") as info:
         create_handler(params(etcd_tls.endpoint, run_id, **conf))
     assert etcd_tls.endpoint in str(info.value)
@@ -283,8 +327,8 @@ def etcd_auth_plain(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
         server.stop()
 
 
-def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, run_id):
-    conf = dict(user="root", password=ROOT_PASSWORD)
+def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, run_id, root_password):
+    conf = dict(user="root", password_env=root_password)
     with pytest.raises(ValueError, match="without TLS .* give ca_cert .* insecure_auth=true"):
         create_handler(params(etcd_auth_plain.endpoint, run_id, **conf))
     handler = create_handler(params(etcd_auth_plain.endpoint, run_id, insecure_auth="true", **conf))
@@ -292,3 +336,32 @@ def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, 
         assert_reads_its_write(handler.etcd_client, run_id)
     finally:
         handler.etcd_client.close()
+
+
+def test_the_handler_takes_the_password_and_state_key_out_of_its_environment(
+    etcd_tls, tls_files, run_id, root_password, monkeypatch
+):
+    """The workers torch starts copy the agent's os.environ; they never talk to etcd."""
+    monkeypatch.setenv(KEY_ENV, "the job's key, at least 16 characters")
+    monkeypatch.setenv("ETCD_TEST_CONTROL", "kept")
+    handler = create_handler(params(etcd_tls.endpoint, run_id, **tls_conf(tls_files, user="root",
+                                                                           password_env=root_password)))
+    try:
+        assert root_password not in os.environ and KEY_ENV not in os.environ
+        assert os.environ["ETCD_TEST_CONTROL"] == "kept"
+        backend = handler._state_holder._backend
+        assert backend.codec.source == KEY_ENV
+        assert backend.set_state(b"still works")[2] and backend.get_state()[0] == b"still works"
+    finally:
+        handler.etcd_client.close()
+
+
+def test_an_agent_without_a_key_says_so_in_one_warning(etcd, run_id, caplog, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with caplog.at_level("INFO", logger="elastic_ft.rendezvous.handler"):
+        handler = create_handler(params(etcd.endpoint, run_id))
+    handler.etcd_client.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "authenticated" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert f"{run_id}/state is not authenticated (no {KEY_ENV} and no etcd password)" in warnings[0]
+    assert "cannot run code here" in warnings[0]

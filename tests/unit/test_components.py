@@ -136,6 +136,14 @@ def test_password_in_rdzv_conf_is_refused_naming_password_env(conf):
     assert "s3cret" not in str(info.value)
 
 
+def test_rendezvous_key_in_env_is_refused_naming_the_secret_ways():
+    from elastic_ft.rendezvous.state_codec import KEY_ENV
+
+    with pytest.raises(ValueError, match=f"--env: {KEY_ENV} would put the rendezvous key on the command line") as info:
+        train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", env={KEY_ENV: "s3cret-key-0123456789"})
+    assert "s3cret" not in str(info.value) and f"secrets={KEY_ENV}:ARN" in str(info.value)
+
+
 def test_password_env_in_rdzv_conf_is_passed_through():
     conf = "user=root,password_env=ETCD_PASSWORD,ca_cert=/etc/etcd/ca.pem"
     cmd = command(train(rdzv_backend="etcd3", rdzv_endpoint="etcd.example:2379", rdzv_conf=conf))
