@@ -1,0 +1,80 @@
+"""A node lost after its round completed, at each phase torch's agent passes before training: the survivors
+start a new round and train in the smaller world; no agent fails.
+
+Every agent is held at the phase (``ELASTIC_FT_AGENT_HOLD``, :mod:`elastic_ft.rendezvous.agent_faults`);
+once all are held, one node's whole process tree is killed and the others are released:
+
+- ``assign_ranks``: the survivors then exchange their workers' ranks through the round's store, which
+  waits for the lost node's key (its role, or the ranks group rank 0 assigns). The old code raised
+  ``WritersLostError`` out of torch's ``_initialize_workers`` and the agent exited 1.
+- ``start_workers``: the survivors' workers start and wait in process-group start for the lost ranks.
+
+Both victims are tried: group rank 0 (the node that assigns ranks and hosts the workers' store) and
+another. The process group's timeout (600 s) is far above the test's deadlines: only the agents can end
+the waits in time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agents import Agent, GLOO_JOB, child_env, read_jsonl, stop_leftovers, wait_for
+
+import sys
+
+pytestmark = [pytest.mark.torchrun, pytest.mark.etcd, pytest.mark.slow]
+
+CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
+DEADLINE = 150  # generous for loaded cores; 4x below the process group's timeout
+
+
+def agent(endpoint: str, run_id: str, out: Path, holds: Path, phase: str, name: str, steps: int) -> Agent:
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes", "1:2", "--nproc-per-node", "1",
+        "--rdzv-backend", "etcd3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", CONF,
+        "--max-restarts", "3", "--monitor-interval", "0.5",
+        str(GLOO_JOB), "--out", str(out), "--steps", str(steps), "--step-time", "0.1", "--pg-timeout", "600",
+    ]
+    return Agent(cmd, out / f"{name}.log", env=child_env(ELASTIC_FT_AGENT_HOLD=f"{phase}:{holds}"))
+
+
+def held(holds: Path, phase: str) -> dict[int, int]:
+    """Agent pid -> its group rank, for every agent held at ``phase``."""
+    found = {}
+    for mark in holds.glob(f"{phase}.*"):
+        if mark.suffix != ".tmp":
+            record = json.loads(mark.read_text())
+            found[record["pid"]] = record["group_rank"]
+    return found
+
+
+@pytest.mark.parametrize("victim_rank", [0, 1], ids=["victim-group-rank-0", "victim-group-rank-1"])
+@pytest.mark.parametrize("phase", ["assign_ranks", "start_workers"])
+def test_a_node_lost_after_its_round_completed_leaves_the_survivor_training(
+    etcd, run_id, tmp_path, phase, victim_rank
+):
+    steps = 8
+    holds = tmp_path / "holds"
+    agents = [agent(etcd.endpoint, run_id, tmp_path, holds, phase, f"agent{i}", steps) for i in range(2)]
+    try:
+        ranks = wait_for(lambda: len(held(holds, phase)) == 2 and held(holds, phase), 180,
+                         f"both agents held at {phase}", agents)
+        victim = next(a for a in agents if ranks[a.pid] == victim_rank)
+        survivor = next(a for a in agents if a is not victim)
+        victim.kill_tree()
+        (holds / "release").touch()
+        wait_for(lambda: [s for s in read_jsonl(tmp_path / "steps.jsonl") if s["world_size"] == 1], DEADLINE,
+                 "a step at world size 1 after the node was lost", [survivor])
+        assert survivor.wait(timeout=DEADLINE) == 0, survivor.tail()
+    finally:
+        stop_leftovers(agents)
+    records = read_jsonl(tmp_path / "steps.jsonl")
+    # No step ran in the doomed world of 2: the survivor trained every step alone.
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert {r["world_size"] for r in records} == {1}
+    workers = read_jsonl(tmp_path / "workers.jsonl")
+    assert {w["agent_pid"] for w in workers if w["world_size"] == 1} == {survivor.pid}
