@@ -39,11 +39,18 @@ def etcd3_handler() -> Callable[[Any], Any]:
 
     def creator(params: Any) -> Any:
         from elastic_ft.rendezvous.handler import create_handler
+        from elastic_ft.rendezvous.options import parse_options
         from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
         try:
+            # Parsed here first (pure, cheap; create_handler parses again) so that only the
+            # options' ValueError becomes one line: any other one is a bug, whose traceback must show.
+            parse_options(params.endpoint, params.config)
+        except ValueError as exc:
+            _exit_without_traceback(params, exc)
+        try:
             return create_handler(params)
-        except (RendezvousConnectionError, ValueError) as exc:
+        except RendezvousConnectionError as exc:
             _exit_without_traceback(params, exc)
 
     return creator

@@ -47,6 +47,13 @@ def test_unreachable_etcd_ends_torchrun_with_one_line_and_status_69(run_id, tmp_
     assert not (tmp_path / "workers.jsonl").exists()
 
 
+def test_invalid_rendezvous_options_end_torchrun_with_one_line_and_status_78(run_id, tmp_path):
+    done = torchrun(UNSERVED, run_id, "bogus=1,keep_alive_interval=-3", tmp_path)
+    line = the_line(done.stderr)
+    assert done.returncode == CONFIG_EXIT_CODE, done.stderr
+    assert "bogus: unknown option" in line and "keep_alive_interval" in line  # every problem, on the one line
+
+
 @pytest.fixture(scope="module")
 def etcd_auth(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
     server = EtcdServer(tmp_path_factory.mktemp("etcd-auth") / "data").start()
