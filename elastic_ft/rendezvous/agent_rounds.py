@@ -33,12 +33,19 @@ torch internals used: ``torch.distributed.elastic.agent.server.api.SimpleElastic
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 
 from .store import WritersLostError
 
 log = logging.getLogger(__name__)
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 _WRAPPED = "_elastic_ft_rejoins_after_loss"
 
@@ -47,8 +54,16 @@ def rejoin_after_loss() -> None:
     """Make torch's agent join a new round when its round loses a node during the rank assignment (idempotent)."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    original = SimpleElasticAgent._rendezvous
+    original = getattr(SimpleElasticAgent, "_rendezvous", None)
     if getattr(original, _WRAPPED, False):
+        return
+    if original is None or list(inspect.signature(original).parameters) != ["self", "worker_group"]:
+        # Another torch: wrapping blindly could break every agent; without it only this case fails.
+        log.warning(
+            "torch %s's SimpleElasticAgent has no _rendezvous(self, worker_group) (elastic_ft knows torch "
+            "2.13's): a node lost while the agents assign ranks will end the agent (exit 1), not start a "
+            "new round.", torch_version(),
+        )
         return
 
     @functools.wraps(original)
