@@ -24,6 +24,8 @@ Exit status of a node (its torchrun), for a scheduler's retry rules:
   other apps torchx's own ``aws_batch`` scheduler still retries every nonzero
   exit up to ``max_restarts`` times.
 - 1: the workers failed more than ``max_restarts`` times, or the agent failed.
+- 69 / 78 (etcd3): etcd unreachable past ``retry_timeout`` / credentials or a
+  ``rdzv_conf`` option refused, at start (:mod:`elastic_ft.rendezvous.entry`); not retried.
 - 2 is a worker's status for a user error (bad spec, URI, data); torchrun
   reports it as a failure (1).
 

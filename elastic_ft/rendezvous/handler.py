@@ -36,6 +36,7 @@ from ..spot.leave import (
     AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, LeaveMarker, clear_marker, honoured, lost_note, read_marker,
 )
 from ..train.departure import LOST_NODES_ENV
+from .agent_faults import hold_at
 from .departure import NodeLeft, hand_leave_file, peers_leave
 from .early_close import EarlyCloseExecutor, staying_members
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen
@@ -86,7 +87,11 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        """Workers must not look for a store on the agent: it lives in etcd."""
+        """Workers must not look for a store on the agent: it lives in etcd.
+
+        torch's agent reads this once per worker start, after the rank assignment.
+        """
+        hold_at("start_workers", (self._members or {}).get(self._this_node))
         return False
 
     def num_nodes_waiting(self) -> int:
@@ -157,6 +162,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
                 try:
                     info = super().next_rendezvous()
                     self._meet(info)
+                    hold_at("assign_ranks", info.rank)
                     return info
                 except RendezvousClosedError:
                     self._reopen_closed(deadline)
@@ -329,6 +335,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         RendezvousConnectionError: no endpoint answered within ``retry_timeout``
             (it names them), or etcd refused the credentials.
     """
+    from .agent_rounds import rejoin_after_loss
     from .backend import EtcdV3RendezvousBackend, connection_error
     from .etcd import EtcdClient, EtcdClientError
     from .options import parse_options
@@ -341,6 +348,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # nor state key. The options hold what was read.
     for name in options.secret_env:
         os.environ.pop(name, None)
+    rejoin_after_loss()  # a node lost while the agents assign ranks: a new round (see agent_rounds)
     if os.environ.get(_SHARE_STORE_ENV) != "1":
         log.info("Setting %s=1: the etcd3 rendezvous keeps the agents' store in etcd.", _SHARE_STORE_ENV)
         os.environ[_SHARE_STORE_ENV] = "1"

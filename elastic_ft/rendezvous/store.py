@@ -37,7 +37,11 @@ from .etcd import EtcdClient, EtcdClientError, KeyValue
 
 
 class WritersLostError(dist.DistStoreError):
-    """A blocking wait ended early: the node that should write the key left the rendezvous."""
+    """A blocking wait ended early: the node that should write the key left the rendezvous.
+
+    Met in the handler's own round (it starts another) or in torch's agent while it assigns
+    ranks right after a round (:mod:`~elastic_ft.rendezvous.agent_rounds`: another round too).
+    """
 
 CAS_MAX_ATTEMPTS = 1000
 """Compare-and-swap attempts on one key before giving up. Every lost attempt is

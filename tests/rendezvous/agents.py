@@ -33,7 +33,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env["LOGLEVEL"] = "INFO"
-    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ELASTIC_FT_FAULTS"):
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "ELASTIC_FT_FAULTS", "ELASTIC_FT_AGENT_HOLD"):
         env.pop(name, None)
     env.update(extra)
     return env
