@@ -1,0 +1,89 @@
+"""A node joins a ``constant_global`` run until the world is larger than the global batch: the run goes on.
+
+The 8B spec's case (``global_batch: 32`` on 8 nodes of 8 GPUs) in small: 2 samples per step. A torchrun job
+of one rank trains and commits step 2, then is SIGKILLed at step 3 (a node joining makes torchrun restart
+every worker the same way); the same command then resumes at world 3, where one rank gets no sample. It
+used to raise ``BatchPlanError`` there, and every rank exited 2: the join ended the run.
+
+Now the third rank sits each step out (one zero-weight micro-batch, so it joins DDP's gradient
+all-reduce with zero gradients), and the run must be the one an uninterrupted run at world 1 trains: the
+same samples (each once, the ledger shows it), the same losses, the same weights up to the order of float
+sums (measured: losses within 1e-6 relative, weights within 1e-7; the tolerances leave room for other
+summation orders, far below what one sample more or less, or a gradient averaged over 2 ranks instead
+of 3, would change: the weights move by more than 1e-3 over the run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elastic_ft.checkpoint.reader import load_newest
+from elastic_ft.checkpoint.store import open_store
+from elastic_ft.runevents.events import read_events
+from elastic_ft.runevents.ledger import check_exactly_once, replay
+from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
+from tests.e2e.conftest import train
+
+pytestmark = [pytest.mark.torchrun, pytest.mark.slow]  # two torchrun jobs, one of three ranks
+
+STEPS = 6
+OVERRIDES = [f"steps={STEPS}", "batch.global_batch=2", "batch.micro_batch=1", "checkpoint.every_steps=2",
+             "checkpoint.keep_last=null", "checkpoint.async_save=false", "logging.ledger=true",
+             "logging.every_steps=1", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-6
+
+
+def job(root: str, nproc: int, **env: str):
+    args = ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{root}",
+            "--log_dir", os.path.join(root, "run", "logs"), *OVERRIDES]
+    return torchrun(nproc, args, env=process_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env))
+
+
+def final(root: str, run_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+    loaded, skipped = load_newest(open_store(f"file://{root}/{run_id}"), run_id)
+    assert loaded is not None and not skipped
+    return loaded.manifest.step, loaded.tensors["model"]
+
+
+def test_a_world_larger_than_the_global_batch_trains_what_a_world_that_fits_does(run_root):
+    first = job(run_root, 1, ELASTIC_FT_FAULTS="kill:rank=0,step=3")
+    assert first.returncode != 0, f"the injected kill did not stop the world-1 job\n{explain(first)}"
+    joined = job(run_root, 3)
+    assert joined.returncode == 0, explain(joined)
+    assert "1 of 3 rank(s) idle each step" in joined.stderr + joined.stdout, explain(joined)
+    assert train(run_root, "ref", *OVERRIDES) == 0
+
+    events = read_events(os.path.join(run_root, "run", "logs", "events.jsonl"))
+    assert [e["world"] for e in events if e["event"] == "start"] == [1, 3]
+    resumed = [e for e in events if e["event"] == "resume_plan"][-1]
+    assert resumed["step"] == 2, resumed
+    (rescale,) = [e for e in events if e["event"] == "rescale"]
+    assert rescale["idle_ranks"] == 1 and rescale["new"]["per_rank"] == [1, 1, 0], rescale
+    assert (rescale["old"]["world"], rescale["new"]["world"]) == (1, 3)
+
+    # The samples: every step of the final history took the global batch, each sample at most once, and
+    # the idle rank none; the same steps as the reference run's.
+    history = replay(events)
+    ref_events = read_events(os.path.join(run_root, "ref", "logs", "events.jsonl"))
+    assert history == replay(ref_events) and sorted(history) == list(range(STEPS))
+    assert all(len(history[s]) == 2 for s in history)
+    dataset_size = next(e["dataset_size"] for e in events if e["event"] == "start")
+    assert check_exactly_once(history, dataset_size) == []
+    after = events[events.index(resumed):]
+    idle_steps = [e for e in after if e["event"] == "step"]
+    assert [e["step"] for e in idle_steps] == list(range(3, STEPS + 1))
+    dealt = [e["samples"] for e in after if e["event"] == "ledger"]
+    assert len(dealt) == STEPS - 2 and all(len(d) == 3 and d[2] == [] for d in dealt), dealt  # rank 2: nothing
+
+    # The losses of the steps trained at world 3 and the final weights: the world-1 run's.
+    ref_loss = {e["step"]: e["loss"] for e in ref_events if e["event"] == "step"}
+    for e in idle_steps:
+        assert e["loss"] == pytest.approx(ref_loss[e["step"]], rel=LOSS_RTOL), (e["step"], e["loss"])
+    (step, got), (ref_step, want) = final(run_root, "run"), final(run_root, "ref")
+    assert step == ref_step == STEPS and sorted(got) == sorted(want)
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= WEIGHT_ATOL, f"final weights differ from the world-1 run's by up to {worst:.3g}"
