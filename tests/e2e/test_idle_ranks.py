@@ -8,9 +8,8 @@ used to raise ``BatchPlanError`` there, and every rank exited 2: the join ended 
 Now the third rank sits each step out (one zero-weight micro-batch, so it joins DDP's gradient
 all-reduce with zero gradients), and the run must be the one an uninterrupted run at world 1 trains: the
 same samples (each once, the ledger shows it), the same losses, the same weights up to the order of float
-sums (measured: losses within 1e-6 relative, weights within 1e-7; the tolerances leave room for other
-summation orders, far below what one sample more or less, or a gradient averaged over 2 ranks instead
-of 3, would change: the weights move by more than 1e-3 over the run).
+sums (measured: losses within 2.1e-7 relative, weights within 1.9e-7; the tolerances, 1e-5 and 1e-6,
+leave room for other summation orders, not for a gradient averaged as if the idle rank were not there).
 """
 
 from __future__ import annotations
@@ -32,7 +31,10 @@ pytestmark = [pytest.mark.torchrun, pytest.mark.slow]  # two torchrun jobs, one 
 STEPS = 6
 OVERRIDES = [f"steps={STEPS}", "batch.global_batch=2", "batch.micro_batch=1", "checkpoint.every_steps=2",
              "checkpoint.keep_last=null", "checkpoint.async_save=false", "logging.ledger=true",
-             "logging.every_steps=1", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+             "logging.every_steps=1", "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+             # AdamW with a large epsilon and no clipping: the update follows the gradient's size, so a
+             # gradient scaled wrongly for the idle rank (e.g. averaged over 2 ranks, not 3) would show.
+             "optimizer.eps=1.0", "optimizer.grad_clip=null"]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-6
 
@@ -81,9 +83,11 @@ def test_a_world_larger_than_the_global_batch_trains_what_a_world_that_fits_does
 
     # The losses of the steps trained at world 3 and the final weights: the world-1 run's.
     ref_loss = {e["step"]: e["loss"] for e in ref_events if e["event"] == "step"}
-    for e in idle_steps:
-        assert e["loss"] == pytest.approx(ref_loss[e["step"]], rel=LOSS_RTOL), (e["step"], e["loss"])
+    loss_rel = max(abs(e["loss"] / ref_loss[e["step"]] - 1) for e in idle_steps)
     (step, got), (ref_step, want) = final(run_root, "run"), final(run_root, "ref")
     assert step == ref_step == STEPS and sorted(got) == sorted(want)
     worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    print(f"world 3 with 1 idle rank against world 1: losses within {loss_rel:.3g} relative, "
+          f"weights within {worst:.3g}")
+    assert loss_rel <= LOSS_RTOL, f"the losses at world 3 differ from the world-1 run's by {loss_rel:.3g} relative"
     assert worst <= WEIGHT_ATOL, f"final weights differ from the world-1 run's by up to {worst:.3g}"
