@@ -161,10 +161,12 @@ class Mode:
     precision: tuple[str, ...] = tuple(BF16)
     env: tuple[tuple[str, str], ...] = ()
     bench_steps: int = 100
+    notice_steps: int = NOTICE_STEPS
 
 
 GPU = Mode()
-CPU_REHEARSAL = Mode(precision=(), env=(("CUDA_VISIBLE_DEVICES", ""),), bench_steps=20)
+# CPU steps take 20 ms to seconds on a loaded host: a notice after step 10 still lands well before step 60.
+CPU_REHEARSAL = Mode(precision=(), env=(("CUDA_VISIBLE_DEVICES", ""),), bench_steps=20, notice_steps=60)
 
 
 def train_check(strategy: str, nproc: int, mode: Mode) -> Callable[[str], tuple[str, list[Job]]]:
@@ -190,7 +192,7 @@ def notice_check(nproc: int, mode: Mode) -> Callable[[str], tuple[str, list[Job]
 
     def jobs(root: str, url: str = "http://127.0.0.1:<local IMDS>") -> list[Job]:
         job = Job(f"notice-{nproc}", SPECS["lora"], nproc,
-                  [f"steps={NOTICE_STEPS}", "checkpoint.every_steps=100", "spot.poll_interval_s=0.1", *COMMON,
+                  [f"steps={mode.notice_steps}", "checkpoint.every_steps=100", "spot.poll_interval_s=0.1", *COMMON,
                    *mode.precision], root, env={**dict(mode.env), ENDPOINT_ENV: url})
         return [job, job]  # the same command twice: preempted, then resumed
 
@@ -226,7 +228,7 @@ def notice_check(nproc: int, mode: Mode) -> Callable[[str], tuple[str, list[Job]
         resumes = [e["step"] for e in job.events() if e["event"] == "resume_plan"]
         expect(resumes == [0, left["step"]], f"{job.name}: resumed at {resumes}, not [0, {left['step']}]", second)
         return (f"left at step {left['step']} {left_s:.1f} s after the notice (commit included), resumed there; "
-                + figures(job, second, NOTICE_STEPS)), [job]
+                + figures(job, second, mode.notice_steps)), [job]
 
     run.jobs = jobs  # type: ignore[attr-defined]
     return run
