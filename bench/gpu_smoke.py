@@ -7,7 +7,7 @@ where there is none). The checks, each one or more ``torchrun`` jobs of ``elasti
 - ``lora-1``/``lora-2``: specs/tiny-lora.yaml (DDP, LoRA) on 1 and 2 GPUs, bf16 base weights and compute;
 - ``fsdp-1``/``fsdp-2``: specs/tiny-full-fsdp.yaml (FSDP2 full fine-tune) on 1 and 2 GPUs, bf16 compute;
 - ``notice``: a terminate notice served by a local IMDS (tests/spot/imds_server.py) mid-run: the job
-  commits the step it is at and exits 75; the same command resumes after it and finishes;
+  commits the step it is at and its workers exit 75; the same command resumes after it and finishes;
 - ``kill``: the last rank SIGKILLs itself at step 7 (``ELASTIC_FT_FAULTS``); torchrun restarts the
   workers, which resume from the newest commit and finish;
 - ``bench``: bench/step_overhead.py (the trainer's step against a plain DDP + peft loop) on the GPUs.
@@ -214,9 +214,12 @@ def notice_check(nproc: int, mode: Mode) -> Callable[[str], tuple[str, list[Job]
             imds.set_instance_action({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")})
             first = finish(proc)
             left_s = time.monotonic() - t_notice
-            expect(first.returncode == PREEMPTED_EXIT_CODE, f"{job.name}: exit {first.returncode} after the notice, "
-                                                             f"not {PREEMPTED_EXIT_CODE}", first)
-            (left,) = [e for e in job.events() if e["event"] == "preempted"]
+            # Its workers exit 75; a standalone torchrun (no etcd3 rendezvous to leave) reports that as a failure.
+            left = [e for e in job.events() if e["event"] == "preempted"]
+            expect(first.returncode != 0 and len(left) == 1 and left[0]["exit_code"] == PREEMPTED_EXIT_CODE,
+                   f"{job.name}: exit {first.returncode} after the notice, preempted events {left} (one, with "
+                   f"exit code {PREEMPTED_EXIT_CODE}, expected)", first)
+            left = left[0]
             committed = [e["step"] for e in job.events() if e["event"] == "checkpoint_committed"]
             expect(max(committed) == left["step"], f"{job.name}: left at step {left['step']}, newest commit "
                                                    f"{max(committed)}", first)

@@ -21,14 +21,16 @@ import os
 import pytest
 import torch
 
+from elastic_ft import worker
 from elastic_ft.checkpoint.reader import load_newest
+from elastic_ft.checkpoint.sharded import is_sharded, load_sharded_full
 from elastic_ft.checkpoint.store import open_store
 from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
-from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
+from tests.conftest import DEFAULT_SPEC, REPO, explain, process_env, torchrun
 from tests.e2e.conftest import train
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.slow]  # two torchrun jobs, one of three ranks
+pytestmark = [pytest.mark.torchrun, pytest.mark.slow]  # torchrun jobs of up to three ranks
 
 STEPS = 6
 OVERRIDES = [f"steps={STEPS}", "batch.global_batch=2", "batch.micro_batch=1", "checkpoint.every_steps=2",
@@ -93,3 +95,40 @@ def test_a_world_larger_than_the_global_batch_trains_what_a_world_that_fits_does
           f"weights within {worst:.3g}")
     assert loss_rel <= LOSS_RTOL, f"the losses at world 3 differ from the world-1 run's by {loss_rel:.3g} relative"
     assert worst <= WEIGHT_ATOL, f"final weights differ from the world-1 run's by up to {worst:.3g}"
+
+
+FSDP_SPEC = os.path.join(REPO, "specs", "tiny-full-fsdp.yaml")
+FSDP_STEPS = 4
+FSDP_OVERRIDES = [f"steps={FSDP_STEPS}", "batch.global_batch=1", "batch.micro_batch=1", "checkpoint.every_steps=4",
+                  "logging.ledger=true", "logging.every_steps=1", "optimizer.schedule=constant",
+                  "optimizer.warmup_steps=0", "optimizer.eps=1.0", "optimizer.grad_clip=null"]
+
+
+def test_under_fsdp_the_idle_rank_keeps_the_lockstep_at_zero_weight(run_root):
+    """FSDP all-gathers in every forward: the rank dealt nothing runs the busiest rank's micro-batch count
+    on a filler sample at weight 0 (``sharding.lockstep``). World 2 with one sample per step against the
+    same run on one process (the model whole): the same samples, losses and weights."""
+    def args(run_id: str) -> list[str]:
+        return ["--spec", FSDP_SPEC, "--run_id", run_id, "--checkpoint_uri", f"file://{run_root}",
+                "--log_dir", os.path.join(run_root, run_id, "logs"), *FSDP_OVERRIDES]
+
+    proc = torchrun(2, args("run"), env=process_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    assert proc.returncode == 0, explain(proc)
+    assert worker.main(args("ref")) == 0
+    events, ref_events = (read_events(os.path.join(run_root, r, "logs", "events.jsonl")) for r in ("run", "ref"))
+    start = next(e for e in events if e["event"] == "start")
+    assert start["world"] == 2 and start["batch_plan"]["idle_ranks"] == 1
+    assert replay(events) == replay(ref_events) and sorted(replay(events)) == list(range(FSDP_STEPS))
+    assert all(e["samples"][1] == [] for e in events if e["event"] == "ledger")
+    losses, ref_losses = ({e["step"]: e["loss"] for e in evs if e["event"] == "step"} for evs in (events, ref_events))
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, FSDP_STEPS + 1))
+    assert [losses[s] for s in sorted(losses)] == pytest.approx([ref_losses[s] for s in sorted(losses)], rel=LOSS_RTOL)
+    weights = {}
+    for run_id in ("run", "ref"):
+        store = open_store(f"file://{run_root}/{run_id}")
+        loaded, _ = load_newest(store, run_id)
+        assert loaded is not None and loaded.manifest.step == FSDP_STEPS and is_sharded(loaded.manifest)
+        weights[run_id] = load_sharded_full(store, loaded.manifest)["model"]
+    worst = max((weights["run"][n] - weights["ref"][n]).abs().max().item() for n in weights["ref"])
+    print(f"fsdp world 2 with 1 idle rank against one process: weights within {worst:.3g}")
+    assert worst <= WEIGHT_ATOL, f"final weights differ from the one-process run's by up to {worst:.3g}"
