@@ -127,10 +127,10 @@ def settle(world: World, timeout: timedelta) -> bool:
     The ranks meet on the process group's store, not in a collective, because
     only the store's wait is bounded alike on both backends. On gloo,
     ``barrier(async_op=True).wait(timeout)`` raises once ``timeout`` passes,
-    its barrier left queued. On NCCL (torch 2.13,
-    ``ProcessGroupNCCL::WorkNCCL::wait``), an explicit timeout makes ``wait``
-    poll the work from the CPU (so it is bounded without
-    ``TORCH_NCCL_BLOCKING_WAIT``), but when it expires it aborts the
+    its barrier left queued. On NCCL (``ProcessGroupNCCL::WorkNCCL::wait`` and
+    its watchdog as torch's sources read for 2.13; not run here, no GPU), an
+    explicit timeout makes ``wait`` poll the work from the CPU (so it is
+    bounded without ``TORCH_NCCL_BLOCKING_WAIT``), but when it expires it aborts the
     communicator and marks the work failed, and the group's watchdog then takes
     the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, the default: a
     SIGABRT in place of the exit code the caller is about to choose). Setting
