@@ -123,10 +123,13 @@ def finish(proc: subprocess.Popen, timeout_s: float = JOB_TIMEOUT_S) -> subproce
         return subprocess.CompletedProcess(proc.args, proc.returncode, f.read() + note, None)
 
 
+def tail(proc: subprocess.CompletedProcess, lines: int = 40) -> str:
+    return "\n".join((proc.stdout or "").splitlines()[-lines:])
+
+
 def expect(ok: bool, what: str, proc: subprocess.CompletedProcess | None = None) -> None:
     if not ok:
-        tail = "" if proc is None else "\n" + "\n".join((proc.stdout or "").splitlines()[-40:])
-        raise CheckFailed(what + tail)
+        raise CheckFailed(what + ("" if proc is None else "\n" + tail(proc)))
 
 
 def figures(job: Job, proc: subprocess.CompletedProcess, steps: int) -> str:
@@ -207,7 +210,7 @@ def notice_check(nproc: int, mode: Mode) -> Callable[[str], tuple[str, list[Job]
             deadline = time.monotonic() + JOB_TIMEOUT_S
             while not any(e["event"] == "step" and e["step"] >= 10 for e in job.events()):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    expect(False, f"{job.name}: no step 10 before the notice", finish(proc, 5))
+                    raise CheckFailed(f"{job.name}: no step 10 before the notice\n{tail(finish(proc, 5))}")
                 time.sleep(0.05)
             when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=2)
             t_notice = time.monotonic()
