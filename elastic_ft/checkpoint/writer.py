@@ -65,16 +65,71 @@ class Snapshot:
 
 def snapshot(step: int, cursor: int, tensors: dict[str, dict[str, torch.Tensor]], **fields) -> Snapshot:
     """Copy ``tensors`` to contiguous CPU memory (detached, so training may mutate the originals)."""
-    copied = {name: {k: _host_copy(t) for k, t in group.items()} for name, group in tensors.items()}
-    return Snapshot(step=step, cursor=cursor, tensors=copied, **fields)
+    return Snapshot(step=step, cursor=cursor, tensors=host_copies(tensors), **fields)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    # clone() is ~1.5x faster than to("cpu", copy=True) for the hundreds of small
-    # LoRA tensors a snapshot copies while training waits.
-    if t.device.type == "cpu":
-        return t.detach().clone(memory_format=torch.contiguous_format)
-    return t.detach().to("cpu", copy=True).contiguous()
+def host_copies(tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Private contiguous host copies of ``tensors`` (same groups and names), taken while training waits.
+
+    Host tensors are cloned one by one: ``clone()`` is ~1.5x faster than
+    ``to("cpu", copy=True)`` for the hundreds of small LoRA tensors a snapshot
+    copies. Device tensors all go into one buffer per save (:func:`staged_copy`):
+    one allocation, copies queued without waiting, one wait at the end, instead
+    of one blocking ``.to("cpu")`` (a stream sync) per tensor. Cost: one pass over
+    the trainable state; the waits no longer grow with the number of tensors.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in tensors}
+    on_device: list[tuple[str, str, torch.Tensor]] = []
+    for name, group in tensors.items():
+        for key, t in group.items():
+            if t.device.type == "cpu":
+                out[name][key] = t.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                on_device.append((name, key, t.detach()))
+    if on_device:
+        # Pinned (page-locked) host memory is what lets a device-to-host copy run without blocking; CUDA has it.
+        pin = all(t.device.type == "cuda" for _, _, t in on_device)
+        for (name, key, _), copy in zip(on_device, staged_copy([t for _, _, t in on_device], pin=pin)):
+            out[name][key] = copy
+    return {name: {key: out[name][key] for key in group} for name, group in tensors.items()}  # the given order
+
+
+STAGING_ALIGN = 64
+"""Byte alignment of each tensor in a staging buffer: any dtype's element size divides it (a slice is then
+viewable as that dtype), and it is a cache line."""
+
+
+def staging_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """The byte offset of each of ``tensors`` in one staging buffer, each aligned to :data:`STAGING_ALIGN`
+    and none overlapping, and the buffer's size in bytes."""
+    offsets, size = [], 0
+    for t in tensors:
+        size += -size % STAGING_ALIGN
+        offsets.append(size)
+        size += t.numel() * t.element_size()
+    return offsets, size
+
+
+def staged_copy(tensors: list[torch.Tensor], *, pin: bool) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` as views into one new buffer (laid out by :func:`staging_layout`).
+
+    ``pin``: the buffer is page-locked and each copy queued with ``non_blocking=True``
+    on its device's current stream (after the step's work, so it reads the final
+    values); then one wait per device for all of them. The views are valid only
+    after that wait, which this function does before returning. Without ``pin``
+    each copy completes in turn (for host tensors: the buffer logic alone).
+    """
+    offsets, size = staging_layout(tensors)
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    copies = []
+    for t, offset in zip(tensors, offsets):
+        view = buffer[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t, non_blocking=pin)
+        copies.append(view)
+    if pin:
+        for device in {t.device for t in tensors}:
+            torch.cuda.current_stream(device).synchronize()  # the one host sync of the save's copy
+    return copies
 
 
 def new_writer_token() -> str:

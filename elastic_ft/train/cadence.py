@@ -5,12 +5,17 @@ from __future__ import annotations
 from elastic_ft.config import CheckpointConfig
 
 
-def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since: float,
+def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since: float | None,
                    cfg: CheckpointConfig) -> tuple[bool, str]:
     """(due, reason) after optimizer step ``step`` has completed.
 
     Nothing is saved twice for one step, and the final step is saved when
     ``save_final`` is set, so a finished run resumes as finished.
+    ``seconds_since`` is the time since the last checkpoint as the ranks agreed
+    on it (the leader's clock, at the boundary before the step: see
+    :meth:`elastic_ft.train.preemption.Preemption.agree`), or None where they
+    did not agree on one: then ``every_seconds`` waits for the next agreement
+    (about half a second of steps later at most), so every rank decides alike.
     """
     if step <= last_step:
         return False, "already saved at this step"
@@ -18,6 +23,6 @@ def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since
         return True, "final step"
     if cfg.every_steps is not None and step % cfg.every_steps == 0:
         return True, f"every {cfg.every_steps} steps"
-    if cfg.every_seconds is not None and seconds_since >= cfg.every_seconds:
+    if cfg.every_seconds is not None and seconds_since is not None and seconds_since >= cfg.every_seconds:
         return True, f"{seconds_since:.0f}s since the last checkpoint (every {cfg.every_seconds:g}s)"
     return False, "not due"

@@ -47,9 +47,9 @@ from elastic_ft.train.preemption import Preemption
 from elastic_ft.train.saving import Saving
 from elastic_ft.train.restore import Restorer
 from elastic_ft.train.resume import ResumePlan, plan_resume
-from elastic_ft.train.scaling import lr_at, plan_batch, total_steps
+from elastic_ft.train.scaling import idle_note, lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
-    RunAborted, World, broadcast_from_leader, close_world, gather_from_all, init_world, sum_over_ranks,
+    RunAborted, World, close_world, gather_from_all, init_world, sum_over_ranks,
 )
 from elastic_ft.viz.tensorboard import TensorBoardSink
 
@@ -157,11 +157,12 @@ class Trainer(Saving):
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
         poison = self.injector.faults and self.injector.fires("nan_loss", rank=w.rank, step=self.step)
-        # FSDP all-gathers every layer in each forward: all ranks run as many micro-batches (see lockstep).
-        count = max(plan.micro_steps) if self.sharded else len(chunks)
-        for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count)):
+        # FSDP all-gathers every layer in each forward: all ranks run as many micro-batches (see lockstep);
+        # under DDP a rank dealt nothing (plan.idle_ranks) still runs one, at weight 0, for the all-reduce.
+        count = max(plan.micro_steps) if self.sharded else max(1, len(chunks))
+        for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count, filler=indices[:1])):
             last = j == count - 1
-            batch = {k: v.to(w.device) for k, v in self.data.batch(chunk).items()}
+            batch = data_mod.to_device(self.data.batch(chunk), w.device)  # pinned, asynchronous on CUDA
             # One synchronised backward per step on every rank, however many micro-batches it has.
             with sharding.gradient_sync(net, last):
                 ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
@@ -171,8 +172,9 @@ class Trainer(Saving):
                 (ce * (scale * weight)).backward()
             if weight:  # lockstep's repeats (weight 0) add nothing to the loss
                 losses.append(ce.detach())
-        # In float64, on the device: ready for the metrics' all-reduce.
-        loss_sum = torch.stack(losses).sum(dtype=torch.float64)
+        # In float64, on the device: ready for the metrics' all-reduce (zero on a rank that sat the step out).
+        loss_sum = (torch.stack(losses).sum(dtype=torch.float64) if losses
+                    else torch.zeros((), dtype=torch.float64, device=w.device))
         skipped, grad_norm = self._update(loss_sum, global_tokens)
         consumed = None
         if spec.logging.ledger:
@@ -233,25 +235,26 @@ class Trainer(Saving):
         )
         if self.node_head:
             log.info("%s", joined_line(self.opts.run_id, w.rank, w.local_size, w.size, self.events.common["attempt"]))
+        if self.plan.idle_ranks and w.is_leader:  # a join never ends the run: the ranks beyond the batch wait
+            log.warning("batch: %s", idle_note(self.plan.idle_ranks, w.size, self.plan.global_batch))
         self.resume()
         departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
         first = True
         try:
             while self.step < self.total_steps:
-                self.preemption.at_boundary(self)  # raises Preempted after committing, on a notice
+                # Raises Preempted after committing, on a notice. The leader's checkpoint clock is agreed in
+                # the same all-reduce (clocks differ): every_seconds then fires at the same step on every rank.
+                age = self.preemption.at_boundary(self, checkpoint_age_s=(
+                    None if self.spec.checkpoint.every_seconds is None else time.monotonic() - self.last_ckpt_time))
                 self._inject_faults()
                 self.step_once()
                 if first and self.node_head:  # the leader's progress lines say the rest
                     log.info("training: step %d/%d done at world %d; progress lines are on the node of rank 0",
                              self.step, self.total_steps, w.size)
                 first = False
-                due, why = checkpoint_due(
-                    step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
-                    seconds_since=time.monotonic() - self.last_ckpt_time, cfg=self.spec.checkpoint,
-                )
-                if self.spec.checkpoint.every_seconds is not None:
-                    due, why = broadcast_from_leader(w, (due, why))  # clocks differ: the leader's decides
+                due, why = checkpoint_due(step=self.step, total_steps=self.total_steps,
+                                          last_step=self.last_ckpt_step, seconds_since=age, cfg=self.spec.checkpoint)
                 if due:
                     self.save(why)
             self.metrics.flush()

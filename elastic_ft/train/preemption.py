@@ -3,8 +3,9 @@
 Every rank has a :class:`~elastic_ft.spot.watcher.Watcher` (IMDS) and a SIGTERM
 handler posting to its own notice board. At step boundaries about half a
 second apart (:func:`agree_every`; every boundary while a notice stands) the ranks
-agree in one collective, an all-reduce MAX of two small integers on the process
-group's device, whether any of them has a notice; only when one has do they
+agree in one collective, an all-reduce MAX of three small integers on the process
+group's device, whether any of them has a notice (the slowest step time and the
+leader's checkpoint clock travel with it: :meth:`Preemption.agree`); only when one has do they
 exchange the notices and follow the leader's :func:`~elastic_ft.spot.policy.decide`.
 A decision that leaves commits the current step (or flushes the save in flight
 that covers it), emits its events and raises :class:`Preempted`, which the
@@ -112,7 +113,7 @@ AGREE_WITHIN_S = 0.5
 """The longest a notice waits, in steps of this many seconds, before the ranks next agree on it: half a
 second, as every second of it delays the survivors' next step after a leave."""
 
-_MAX_STEP_US = 2**31 - 1  # int32: a step time in us is clamped to it (35 min; any step over 0.5 s agrees each time)
+_MAX_STEP_US = 2**31 - 1  # a step time in us is clamped to it (35 min; any step over 0.5 s agrees each time)
 
 
 def agree_every(step_s: float) -> int:
@@ -143,9 +144,11 @@ class Preemption:
         self.board = NoticeBoard()
         self.settings = PolicySettings(on_rebalance=cfg.on_rebalance, train_until_deadline=cfg.train_until_deadline,
                                        margin_s=cfg.margin_s)
-        # [notice level, slowest step in us], allocated once on the process group's device.
-        self._flag = torch.zeros(2, dtype=torch.int32, device=world.device)
+        # [notice level, slowest step in us, leader's checkpoint age in ms], allocated once on the process
+        # group's device; int64: the age may reach checkpoint.every_seconds' bound (1e8 s).
+        self._flag = torch.zeros(3, dtype=torch.int64, device=world.device)
         self._skip = 0  # boundaries left before the next agreement (the same on every rank)
+        self.checkpoint_age_s: float | None = None  # the leader's, as the last boundary agreed (see agree)
         self._handled: set[str] = set()  # rebalance recommendations already answered
         self._announced: set[str] = set()  # notices whose "none" decision was already an event
         self.watcher: Watcher | None = None
@@ -161,7 +164,7 @@ class Preemption:
                 self.sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s,
                                                boundary_s=cfg.sigterm_boundary_s, peer_lost=lost)
 
-    def agree(self, step_s: float | None = None) -> int:
+    def agree(self, step_s: float | None = None, checkpoint_age_s: float | None = None) -> int:
         """The most urgent notice level of any rank (one all-reduce at the boundaries where ranks agree).
 
         With several ranks the all-reduce happens even where spot is disabled
@@ -170,43 +173,60 @@ class Preemption:
         make the same collectives. ``step_s`` is this rank's last step time
         (``None`` before the first step); see :func:`agree_every` for which
         boundaries agree. Between them this returns :data:`LEVEL_NONE`.
+
+        ``checkpoint_age_s``: the seconds since the last checkpoint by this
+        rank's clock, or None when no time rule applies. The leader's value
+        travels with the level, and :attr:`checkpoint_age_s` holds it after
+        the call on every rank alike (None at a boundary that did not agree):
+        ``checkpoint.every_seconds`` then picks the same step on every rank
+        without an object broadcast of its own per step (clocks differ).
         """
         if not self.world.distributed:
+            self.checkpoint_age_s = checkpoint_age_s
             return self.board.level
         if self._skip > 0:
             self._skip -= 1
+            self.checkpoint_age_s = None
             return LEVEL_NONE
         # The slowest rank's step time travels with the level (both MAX), so every rank
-        # derives the same cadence from the same agreed value.
+        # derives the same cadence from the same agreed value; only the leader's clock counts (-1 elsewhere).
         step_us = min(_MAX_STEP_US, round((step_s or 0.0) * 1e6))
-        self._flag.copy_(torch.tensor([self.board.level, step_us], dtype=torch.int32))
+        age_ms = -1 if checkpoint_age_s is None or not self.world.is_leader else round(checkpoint_age_s * 1e3)
+        self._flag.copy_(torch.tensor([self.board.level, step_us, age_ms], dtype=torch.int64))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        level, slowest_us = self._flag.tolist()  # one read: on NCCL one device sync per agreement
+        level, slowest_us, agreed_ms = self._flag.tolist()  # one read: on NCCL one device sync per agreement
         self._skip = 0 if level != LEVEL_NONE else agree_every(slowest_us / 1e6) - 1
+        self.checkpoint_age_s = None if agreed_ms < 0 else agreed_ms / 1e3
         return level
 
-    def at_boundary(self, trainer: Trainer) -> None:
-        """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving."""
-        level = self.agree(trainer.last_step_s)
+    def at_boundary(self, trainer: Trainer, *, checkpoint_age_s: float | None = None) -> float | None:
+        """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving.
+
+        Returns the leader's ``checkpoint_age_s`` as agreed (see :meth:`agree`), the same on every rank;
+        None where this boundary did not agree, or after an early checkpoint made here.
+        """
+        level = self.agree(trainer.last_step_s, checkpoint_age_s)
         if self.sigterm is not None:
             self.sigterm.boundary(trainer.last_step_s)  # a boundary passed: no give-up while steps go on
         if level == LEVEL_NONE:
-            return
+            return self.checkpoint_age_s
         notice, decision, leaving = self._decide(trainer)
         if decision.leaves and self.sigterm is not None:
             self.sigterm.answering()  # at a boundary, committing: the SIGTERM fallback must not cut in
         if decision.action == "early_checkpoint":
             self._handled.add(notice.key)  # one early checkpoint per recommendation
         if decision.action == "none" and notice.key in self._announced:
-            return
+            return self.checkpoint_age_s
         self._announced.add(notice.key)
         left = None if notice.deadline is None else round(notice.deadline - time.time(), 1)
         self.events.emit("spot_decision", step=trainer.step, action=decision.action, reason=decision.reason,
                          notice=notice.kind, seconds_left=left, problem=notice.problem)
         if decision.action == "early_checkpoint":
             trainer.save(f"spot: {decision.reason}")
-        elif decision.leaves:
+            return None  # the agreed age predates this save
+        if decision.leaves:
             self._leave(trainer, notice, decision, leaving)
+        return self.checkpoint_age_s
 
     def _decide(self, trainer: Trainer) -> tuple[Notice, Decision, frozenset[str]]:
         """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow;

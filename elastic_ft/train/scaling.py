@@ -3,7 +3,10 @@
 ``constant_global`` (default): the global batch is fixed; each rank's share
 and its micro-batch count are recomputed for the current world (uneven splits
 allowed), and the loss is normalised by the global target-token count, so the
-gradient does not depend on the split and the LR stays as stated.
+gradient does not depend on the split and the LR stays as stated. A world
+larger than the global batch (a node joined) is no error: the ranks beyond it
+get no sample (``idle_ranks``) and sit each step out at zero weight, since
+ending the run because capacity arrived would be the wrong way round.
 
 ``scale_with_world``: the per-rank batch is fixed at
 ``global_batch / reference_world``; the global batch follows the world, and
@@ -38,6 +41,9 @@ class BatchPlan:
     reason: str
     lr_factor: float = 1.0
     """The multiplier the policy applied to the spec's LR for this world (1.0 under ``constant_global``)."""
+    idle_ranks: int = 0
+    """Ranks given no sample each step (the last ones): ``constant_global`` over a world larger than its
+    global batch. They run the step's collectives with zero-weight work (see ``sharding.lockstep``)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,14 +60,10 @@ def plan_batch(batch: BatchConfig, lr: float, world: int) -> BatchPlan:
     if world < 1:
         raise BatchPlanError(f"world size must be at least 1, got {world}")
     if batch.policy == "constant_global":
-        if batch.global_batch < world:
-            raise BatchPlanError(
-                f"batch.global_batch ({batch.global_batch}) is smaller than the world size ({world}): "
-                f"every rank needs at least one sample per step; raise batch.global_batch to at least {world} "
-                f"or run with fewer processes"
-            )
         global_batch, factor = batch.global_batch, 1.0
         reason = f"constant_global: {global_batch} samples per step over {world} rank(s), lr unchanged"
+        if global_batch < world:
+            reason += f"; {idle_note(world - global_batch, world, global_batch)}"
     elif batch.policy == "scale_with_world":
         per_rank = batch.global_batch // batch.reference_world
         global_batch = per_rank * world
@@ -75,10 +77,20 @@ def plan_batch(batch: BatchConfig, lr: float, world: int) -> BatchPlan:
         raise BatchPlanError(f"batch.policy {batch.policy!r} is not supported")
     per = split_evenly(global_batch, world)
     micro = tuple(math.ceil(n / batch.micro_batch) for n in per)
-    return BatchPlan(world, global_batch, per, batch.micro_batch, micro, lr * factor, batch.policy, reason, factor)
+    return BatchPlan(world, global_batch, per, batch.micro_batch, micro, lr * factor, batch.policy, reason, factor,
+                     idle_ranks=per.count(0))
 
 
-_PLAN_FIELDS = ("world", "global_batch", "per_rank", "micro_batch", "micro_steps", "lr", "lr_factor", "policy")
+def idle_note(idle: int, world: int, global_batch: int) -> str:
+    """Why ``idle`` of ``world`` ranks take no sample: one line, for the log and the plan's reason."""
+    return (f"{idle} of {world} rank(s) idle each step: batch.global_batch ({global_batch}) is smaller than the "
+            f"world, and constant_global keeps the global batch, so ranks {global_batch}..{world - 1} sit each "
+            f"step out (zero-weight work in its collectives) until the world shrinks or batch.global_batch is "
+            f"raised to at least {world}")
+
+
+_PLAN_FIELDS = ("world", "global_batch", "per_rank", "micro_batch", "micro_steps", "lr", "lr_factor", "policy",
+                "idle_ranks")
 """What a ``rescale`` event states of each side (old: the plan the checkpoint was trained with)."""
 
 
@@ -87,9 +99,11 @@ def rescale_event(old: dict | None, new: BatchPlan) -> dict | None:
 
     The event states both plans in full (``old``, ``new``: world, global
     batch, per-rank samples, micro-batch, accumulation steps, peak LR and the
-    policy's LR multiplier) and which of them ``changed``. A plan saved before
-    ``lr_factor`` was recorded reports it as None. Only a change of world,
-    batch or LR counts; the multiplier alone follows from those.
+    policy's LR multiplier, the ranks that sit each step out) and which of
+    them ``changed``; ``idle_ranks`` also stands on its own (the new plan's).
+    A plan saved before ``lr_factor`` or ``idle_ranks`` was recorded reports
+    it as None. Only a change of world, batch or LR counts; the multiplier and
+    the idle ranks follow from those.
     """
     if old is None:
         return None
@@ -99,7 +113,7 @@ def rescale_event(old: dict | None, new: BatchPlan) -> dict | None:
                if _norm(old.get(k)) != _norm(new_d[k])}
     if not changed:
         return None
-    return {"policy": new.policy, "reason": new.reason,
+    return {"policy": new.policy, "reason": new.reason, "idle_ranks": new.idle_ranks,
             "old": {k: old.get(k) for k in _PLAN_FIELDS}, "new": {k: new_d[k] for k in _PLAN_FIELDS},
             "changed": changed}
 

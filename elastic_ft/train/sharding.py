@@ -151,17 +151,24 @@ def gradient_sync(net: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
-def lockstep(chunks: list[list[int]], count: int) -> list[tuple[list[int], float]]:
+def lockstep(chunks: list[list[int]], count: int, filler: list[int] | None = None) -> list[tuple[list[int], float]]:
     """The step's micro-batches as (samples, loss weight), ``count`` of them: ``chunks`` at weight 1, then
-    repeats of the first at weight 0.
+    repeats of the first (of ``filler`` when the rank has none) at weight 0.
 
     Under FSDP every forward and backward runs collectives (each layer's all-gather, the last backward's
     reduce-scatter), so every rank must run as many micro-batches as the busiest rank: an uneven deal (9
     samples over 2 ranks in micro-batches of 4: 2 and 1 micro-batches) would otherwise leave one rank
     waiting in an all-gather the other never starts. A repeat weighted 0 adds nothing to the gradient or
-    the loss. (DDP needs none: it communicates once per step, in the last backward.)
+    the loss. DDP communicates once per step, in the last backward, so there ``count`` is the rank's own
+    micro-batches, but at least one: a rank dealt no sample (``BatchPlan.idle_ranks``, a world larger
+    than ``constant_global``'s batch) still runs one zero-weight backward, so that it joins the gradient
+    all-reduce with zero gradients and DDP's average over the whole world (which the loss's
+    world/global-tokens scale assumes) stays exact.
     """
-    return [(c, 1.0) for c in chunks] + [(chunks[0], 0.0)] * (count - len(chunks))
+    first = chunks[0] if chunks else filler
+    if count > len(chunks) and not first:
+        raise ValueError("lockstep: a rank with no samples needs a filler sample for its zero-weight micro-batch")
+    return [(c, 1.0) for c in chunks] + [(first, 0.0)] * (count - len(chunks))
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

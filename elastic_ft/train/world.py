@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 
 class RunAborted(RuntimeError):
@@ -35,7 +36,13 @@ class World:
     local_size: int
     device: torch.device
     barrier_pending: bool = False
-    """A :func:`settle` barrier timed out and is still queued on the process group."""
+    """A :func:`settle` timed out: a peer is gone or stuck, and tearing the process group down could wait
+    for it, so the group is left to :func:`exit_process`."""
+    store: dist.Store | None = None
+    """The process group's key-value store (its TCPStore, under a prefix of ours), for :func:`settle`; None
+    without a process group, or for one that :func:`init_world` did not make."""
+    settles: int = 0
+    """:func:`settle` calls so far (every rank makes the same ones: each meets under its own key)."""
 
     @property
     def distributed(self) -> bool:
@@ -64,9 +71,18 @@ def init_world(collective_timeout: timedelta | None = None) -> World:
         device = torch.device("cpu")
         # Several ranks share this host's cores: oversubscribed threads make every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    store = None
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout)
-    return World(rank, size, local_rank, local_size, device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # The store, made as init_process_group makes it for env:// (torchrun's variables; a new one at
+        # every restart), kept so that settle() can meet on it; the group's keys go under its usual prefix.
+        timeout = collective_timeout or (default_pg_nccl_timeout if backend == "nccl" else default_pg_timeout)
+        base, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+        base.set_timeout(timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", base), rank=rank, world_size=size,
+                                timeout=collective_timeout)
+        store = dist.PrefixStore("elastic_ft/settle", base)
+    return World(rank, size, local_rank, local_size, device, store=store)
 
 
 def broadcast_from_leader(world: World, value):
@@ -107,20 +123,50 @@ def settle(world: World, timeout: timedelta) -> bool:
     For the way out of a run every rank leaves alike: once the first rank
     exits, torchrun stops the others, which may not have printed their reason
     yet. Bounded, so a rank that never comes costs ``timeout``, not a hang.
+
+    The ranks meet on the process group's store, not in a collective, because
+    only the store's wait is bounded alike on both backends. On gloo,
+    ``barrier(async_op=True).wait(timeout)`` raises once ``timeout`` passes,
+    its barrier left queued. On NCCL (``ProcessGroupNCCL::WorkNCCL::wait`` and
+    its watchdog as torch's sources read for 2.13; not run here, no GPU), an
+    explicit timeout makes ``wait`` poll the work from the CPU (so it is
+    bounded without ``TORCH_NCCL_BLOCKING_WAIT``), but when it expires it aborts the
+    communicator and marks the work failed, and the group's watchdog then takes
+    the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, the default: a
+    SIGABRT in place of the exit code the caller is about to choose). Setting
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` instead would make every collective's wait a
+    host sync, and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` values that keep the
+    process let a rank go on after a failed collective with what it left in its
+    tensors. The store (the TCPStore torchrun's variables name) takes a timeout
+    for every operation on every backend, and a timed-out wait leaves nothing
+    queued on the process group. Cost: two store operations per rank.
     """
     if not world.distributed:
         return True
+    if world.store is None:
+        raise RuntimeError("settle() waits on the store of a process group that init_world() made")
+    world.settles += 1
+    key = str(world.settles)
+    before = world.store.timeout
+    world.store.set_timeout(timeout)  # also bounds add(): a store host gone silent answers nothing
     try:
-        dist.barrier(async_op=True).wait(timeout=timeout)
-    except RuntimeError:  # gloo's "Operation timed out!", or a peer gone
+        if world.store.add(key, 1) == world.size:  # the last to come lets every rank go
+            world.store.set(f"{key}/all", "1")
+        world.store.wait([f"{key}/all"], timeout)
+    except RuntimeError:  # DistStoreError (a timeout), or the store's host gone
         world.barrier_pending = True
         return False
+    finally:
+        try:
+            world.store.set_timeout(before)
+        except RuntimeError:  # pragma: no cover - a store that is gone keeps no timeout to restore
+            pass
     return True
 
 
 def close_world(world: World) -> None:
-    """Leave the process group. After a :func:`settle` that timed out, its barrier is still queued and
-    ``destroy_process_group`` would wait for it (until the peer exits, or the group's timeout): then
+    """Leave the process group. After a :func:`settle` that timed out, a peer is gone or stuck and
+    ``destroy_process_group`` could wait for it (until the peer exits, or the group's timeout): then
     the group is left to :func:`exit_process`."""
     if world.distributed and not world.barrier_pending:
         dist.destroy_process_group()
@@ -128,7 +174,7 @@ def close_world(world: World) -> None:
 
 def exit_process(code: int, *, fast: bool = False) -> NoReturn:
     """``sys.exit(code)``; after a :func:`settle` that timed out, ``os._exit(code)`` once logs and output
-    are flushed: the process group's teardown at interpreter exit would wait for the barrier still queued.
+    are flushed: the process group's teardown at interpreter exit could wait for the peer that did not come.
 
     A process group still there at this point is one that :func:`close_world` left for that reason
     (callers close their world first), so no :class:`World` is needed here.

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 from elastic_ft.train.world import init_world
 mode, rank = sys.argv[1], int(os.environ["RANK"])
+WAIT = float(sys.argv[2])
 world = init_world()
 t = torch.ones(1)
 dist.all_reduce(t)  # both ranks are in the group
@@ -59,6 +60,14 @@ elif mode == "settle":
         close_world(world)  # as the worker leaves: run()'s finally, then its exit
         exit_process(0)
     print("synced", flush=True)
+elif mode == "settle_all":
+    from elastic_ft.train.world import close_world, settle
+    def collective(*args, **kwargs):
+        raise AssertionError("settle() used a collective of the process group")
+    dist.barrier = dist.all_reduce = collective  # on NCCL, a timed-out collective wait takes the process down
+    print(f"settled {settle(world, timedelta(seconds=WAIT))} {settle(world, timedelta(seconds=WAIT))}", flush=True)
+    close_world(world)
+    sys.exit(0)
 time.sleep(float(sys.argv[2]))  # rank 1: a peer that holds on without entering the collective
 """
 
@@ -106,6 +115,18 @@ def test_ranks_agree_on_notices_when_only_one_has_spot_enabled(ranks):
             pytest.fail("a rank is stuck: the ranks made different collectives")
         assert p.returncode == 0, err
         assert out == "level 2 sum 21\n", err
+
+
+def test_ranks_settle_on_the_store_without_a_collective(ranks):
+    """settle() meets on the process group's store: no collective whose timed-out wait NCCL's watchdog
+    would answer by taking the process down (see elastic_ft.train.world.settle). Twice: each call meets
+    under its own key."""
+    for p in ranks("settle_all"):
+        try:
+            out, err = p.communicate(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a rank waited in settle() although both came")
+        assert (p.returncode, out) == (0, "settled True True\n"), err
 
 
 def test_a_settle_that_times_out_does_not_hold_up_the_exit(ranks):

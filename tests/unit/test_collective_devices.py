@@ -96,7 +96,7 @@ def test_the_trainers_collectives_take_tensors_on_the_world_device(monkeypatch, 
     assert not spy.violations, spy.violations
     seen = set(spy.calls)
     # The metrics' loss sums, the preemption agreement, and the leader's decisions: each path was exercised.
-    assert {("all_reduce", "torch.float64"), ("all_reduce", "torch.int32"), ("broadcast_object_list", ""),
+    assert {("all_reduce", "torch.float64"), ("all_reduce", "torch.int64"), ("broadcast_object_list", ""),
             ("all_gather_object", "")} <= seen, seen
 
 

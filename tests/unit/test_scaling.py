@@ -59,13 +59,36 @@ def test_uneven_split_example():
     assert plan.micro_steps == (1, 1, 1, 1)
 
 
-@pytest.mark.parametrize("global_batch,world", [(1, 2), (8, 9), (15, 16)])
-def test_global_batch_smaller_than_world_raises(global_batch, world):
-    with pytest.raises(BatchPlanError) as info:
-        plan_batch(BatchConfig(global_batch=global_batch, micro_batch=1), 1e-3, world)
-    msg = str(info.value)
-    assert "batch.global_batch" in msg
-    assert f"({global_batch})" in msg and f"({world})" in msg
+@pytest.mark.parametrize("global_batch,world", [(1, 2), (8, 9), (15, 16), (32, 64), (3, 35)])
+def test_a_world_larger_than_the_global_batch_idles_the_ranks_beyond_it(global_batch, world):
+    """A node joining a constant_global run never ends it (it raised BatchPlanError here, every rank exited 2):
+    the first ``global_batch`` ranks take one sample each, the rest none, and the plan says so."""
+    plan = plan_batch(BatchConfig(global_batch=global_batch, micro_batch=4), 1e-3, world)
+    assert plan.per_rank == (1,) * global_batch + (0,) * (world - global_batch)
+    assert plan.micro_steps == (1,) * global_batch + (0,) * (world - global_batch)
+    assert plan.idle_ranks == world - global_batch and plan.global_batch == global_batch and plan.lr == 1e-3
+    assert f"{world - global_batch} of {world} rank(s) idle each step" in plan.reason
+    assert f"batch.global_batch ({global_batch})" in plan.reason and "\n" not in plan.reason
+    # The step's samples are still dealt exactly once, whatever the world.
+    assert [len(r) for r in deal(list(range(global_batch)), plan.per_rank)] == list(plan.per_rank)
+
+
+def test_no_rank_idles_while_the_world_fits():
+    for world in WORLDS:
+        assert plan_batch(BatchConfig(global_batch=16, micro_batch=3), 1e-3, world).idle_ranks == 0
+        cfg = BatchConfig(global_batch=4, micro_batch=2, policy="scale_with_world", reference_world=4)
+        assert plan_batch(cfg, 1e-3, world).idle_ranks == 0  # one sample per rank at least, always
+
+
+def test_the_rescale_to_a_world_beyond_the_batch_names_the_idle_ranks():
+    """The 8B spec's case: 32 samples per step, 4 nodes of 8 GPUs, then an 8-node world."""
+    cfg = BatchConfig(global_batch=32, micro_batch=1)
+    ev = rescale_event(_saved(plan_batch(cfg, 1e-3, 32)), plan_batch(cfg, 1e-3, 64))
+    assert ev["idle_ranks"] == 32 and (ev["old"]["idle_ranks"], ev["new"]["idle_ranks"]) == (0, 32)
+    assert ev["changed"]["world"] == {"old": 32, "new": 64} and "32 of 64 rank(s) idle" in ev["reason"]
+    # and back: the idle ranks are gone once the world fits again
+    back = rescale_event(_saved(plan_batch(cfg, 1e-3, 64)), plan_batch(cfg, 1e-3, 16))
+    assert back["idle_ranks"] == 0 and back["old"]["idle_ranks"] == 32
 
 
 def test_world_below_one_raises():

@@ -100,3 +100,12 @@ def test_decoder_layers_are_found_through_peft_and_in_gpt2():
 def test_lockstep_pads_a_rank_to_the_busiest_ranks_micro_batches_at_weight_zero():
     assert sharding.lockstep([[1, 2, 3, 4], [5]], 2) == [([1, 2, 3, 4], 1.0), ([5], 1.0)]
     assert sharding.lockstep([[6, 7, 8, 9]], 2) == [([6, 7, 8, 9], 1.0), ([6, 7, 8, 9], 0.0)]
+
+
+def test_lockstep_gives_a_rank_dealt_no_sample_zero_weight_work():
+    """A rank beyond a constant_global batch (BatchPlan.idle_ranks) still runs its micro-batches, at weight 0."""
+    assert sharding.lockstep([], 1, filler=[7]) == [([7], 0.0)]  # DDP: one, for the gradient all-reduce
+    assert sharding.lockstep([], 2, filler=[7]) == [([7], 0.0), ([7], 0.0)]  # FSDP: as many as the busiest
+    assert sharding.lockstep([[1]], 2, filler=[7]) == [([1], 1.0), ([1], 0.0)]  # the filler only when needed
+    with pytest.raises(ValueError, match="filler"):
+        sharding.lockstep([], 1)
