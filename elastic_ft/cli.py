@@ -121,6 +121,9 @@ def _run_events(run: str, command: str) -> tuple[str, list[dict]]:
         source, events = load_run_events(run)
     except FileNotFoundError as exc:
         raise ArgumentError(f"{command}: {exc}") from None
+    note = events.note(source)
+    if note:
+        print(f"elastic-ft: {note}", file=sys.stderr)
     if not any(e.get("event") == "start" for e in events):
         raise ArgumentError(f"{command}: {source} has no start event: not a training run's events")
     return source, events
