@@ -170,13 +170,27 @@ class ArgumentError(ValueError):
     """A command-line argument that cannot work, found before anything is loaded; the message names it."""
 
 
-def out_dir_problem(out: str) -> str | None:
-    """Why ``out`` cannot be the export directory (an existing file, or under one), or None.
+def out_dir_problem(out: str, *, force: bool = False) -> str | None:
+    """Why ``out`` cannot be the export directory (an existing file, or under one, or a directory
+    that holds anything while ``force`` is off), or None.
 
-    An existing directory is fine: export writes its files into it.
+    An empty directory is fine. A non-empty one would get export's files among
+    its own (and lose those with the same names, an earlier export's weights
+    among them): refused, naming what is there, unless ``force``.
     """
     if os.path.isdir(out):
-        return None
+        if force:
+            return None
+        try:
+            names = sorted(os.listdir(out))
+        except OSError as exc:
+            return f"{out!r} cannot be read: {exc.strerror or exc}"
+        if not names:
+            return None
+        shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return (f"{out!r} is not empty (it holds {shown}{more}); name a new or empty directory, "
+                f"or add --force to write the export among those files (replacing any of the same name)")
     if os.path.lexists(out):
         return f"{out!r} is an existing file; name a directory (new or existing)"
     parent = os.path.dirname(os.path.abspath(out))
@@ -200,7 +214,7 @@ def missing_step_problem(step: int, steps: list[int], *, shown: int = 10) -> str
 
 def _check_export_args(args) -> None:
     """Refuse a bad ``--out`` or ``--step`` before export loads any checkpoint or model."""
-    problem = out_dir_problem(args.out)
+    problem = out_dir_problem(args.out, force=args.force)
     if problem:
         raise ArgumentError(f"export --out {problem}")
     if args.step is None:
@@ -278,7 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_gc)
     e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
     e.add_argument("uri", help=uri_help)
-    e.add_argument("--out", required=True, help="directory to write (created if missing; may exist)")
+    e.add_argument("--out", required=True, help="directory to write (created if missing; an existing one must "
+                                                "be empty unless --force)")
+    e.add_argument("--force", action="store_true",
+                   help="write into --out even if it holds files (those of the same name are replaced)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
