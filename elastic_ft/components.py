@@ -79,6 +79,17 @@ def _argument_errors(component):
     return checked
 
 
+def _check_checkpoint_uri(uri: str) -> None:
+    """Refuse, before anything is submitted, a checkpoint URI every worker would refuse at start
+    (``s3://bucket/../x``, ``file://host/x``, an unknown scheme): ValueError naming the argument."""
+    from elastic_ft.checkpoint.store import StoreError, check_uri
+
+    try:
+        check_uri(uri)
+    except StoreError as exc:
+        raise ValueError(f"--checkpoint_uri: {exc}") from None
+
+
 def parse_nnodes(nnodes: str) -> "tuple[int, int]":
     """``"N"`` or ``"MIN:MAX"`` as (min, max); ValueError naming the argument otherwise."""
     m = _NNODES.match(nnodes.strip())
@@ -160,6 +171,7 @@ def train(
         nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas,
     )
+    _check_checkpoint_uri(checkpoint_uri)
     cmd = _torchrun_args(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint or _default_endpoint(hi),

@@ -111,6 +111,8 @@ def test_bad_data_line_through_the_worker_is_one_line(tmp_path, capsys):
     ("s3:bucket/runs", "names no bucket"),
     ("s3://bucket?x=1", "query or fragment"),
     ("s3://bucket//runs", "empty path segment"),
+    ("s3://bucket/../runs", "has a '..' path segment"),
+    ("s3://bucket/runs/./x", "has a '.' path segment"),
     ("file://host/runs", "file:///absolute/path"),
 ])
 def test_checkpoint_uri_is_quoted_as_typed(tmp_path, capsys, uri, expected):

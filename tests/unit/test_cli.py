@@ -73,3 +73,16 @@ def test_events_and_status_of_a_location_with_nothing_there_say_so_and_fail(tmp_
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err.count("\n") == 1 and f"file://{tmp_path}/r" in out.err and "no events" in out.err
+
+
+@pytest.mark.parametrize("head, tail", [
+    (["ckpt", "ls"], []), (["ckpt", "verify"], []), (["ckpt", "gc"], ["--dry-run"]), (["events"], []),
+    (["status"], []), (["goodput"], []), (["export"], ["--out", "out"]), (["plot"], ["--out", "out.png"]),
+])
+def test_a_run_uri_with_a_dot_segment_is_refused_before_any_request(tmp_path, capsys, monkeypatch, head, tail):
+    # s3://bucket/../x reached the server, whose HTTP 400 read as an endpoint problem.
+    monkeypatch.chdir(tmp_path)
+    uri = "s3://bucket/../x"
+    assert main([*head, uri, *tail]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{uri!r} has a '..' path segment" in err, err

@@ -121,6 +121,19 @@ def test_run_id_must_be_one_safe_path_component(run_id):
         train(run_id=run_id)
 
 
+@pytest.mark.parametrize("uri, expected", [
+    ("s3://bucket/../x", "has a '..' path segment"),
+    ("s3://bucket/runs/.", "has a '.' path segment"),
+    ("file://host/runs", "file:///absolute/path"),
+    ("gs://bucket/runs", "gs"),
+])
+def test_a_checkpoint_uri_the_workers_would_refuse_is_refused_at_submission(uri, expected):
+    with pytest.raises(ValueError) as info:
+        train(checkpoint_uri=uri)
+    message = str(info.value)
+    assert message.startswith("--checkpoint_uri: ") and uri in message and expected in message, message
+
+
 @pytest.mark.parametrize("run_id", ["job1", "Run-2.b_c", "r" * 128, "0"])
 def test_valid_run_ids_pass_through(run_id):
     cmd = command(train(run_id=run_id))
