@@ -60,19 +60,25 @@ def _ls(args) -> int:
 
 
 def _verify(args) -> int:
-    """Exit 0: verified; 1: proven corrupt (named); 2 (from :func:`main`): could not be read, nothing concluded."""
-    from elastic_ft.checkpoint.manifest import ManifestCorrupt, manifest_key
+    """Exit 0: verified; 1: proven corrupt (named); 2: nothing concluded, because it could not be read
+    (from :func:`main`) or there is no such checkpoint (a run that does not exist is not a corrupt one)."""
+    from elastic_ft.checkpoint.manifest import ManifestCorrupt, manifest_key, step_of_key
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest, verify
     from elastic_ft.checkpoint.store import open_store
 
     store = open_store(args.uri)
+    infos = list_manifests(store)
+    if not infos:
+        print(f"elastic-ft: error: no committed checkpoints at {args.uri} to verify (a run's location is "
+              f"<checkpoint_uri>/<run_id>)", file=sys.stderr)
+        return 2
     if args.step is not None:
         key = manifest_key(args.step)
+        if key not in {info.key for info in infos}:
+            problem = missing_step_problem(args.step, [step_of_key(info.key) for info in infos])
+            print(f"elastic-ft: error: ckpt verify --step {args.step}: {args.uri} {problem}", file=sys.stderr)
+            return 2
     else:
-        infos = list_manifests(store)
-        if not infos:
-            print(f"{args.uri}: no committed checkpoints to verify", file=sys.stderr)
-            return 1
         key = infos[-1].key
     try:
         manifest = read_manifest(store, key)
@@ -90,10 +96,17 @@ def _verify(args) -> int:
 
 
 def _gc(args) -> int:
+    from elastic_ft.checkpoint.manifest import BLOB_PREFIX
+    from elastic_ft.checkpoint.reader import list_manifests
     from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
     from elastic_ft.checkpoint.store import open_store
 
     store = open_store(args.uri)
+    # A typo'd URI must not read as a run with nothing to collect (the blobs are listed only without manifests).
+    if not list_manifests(store) and not store.list(BLOB_PREFIX):
+        print(f"elastic-ft: no checkpoints or blobs at {args.uri}, nothing to collect (a run's location is "
+              f"<checkpoint_uri>/<run_id>)", file=sys.stderr)
+        return 1
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every, orphan_grace_s=args.grace)
     plan = collect(store, policy, time.time())
     for line in plan.lines():
