@@ -45,6 +45,7 @@ import torchx.specs as specs
 from torchx.specs import macros
 from torchx.specs.finder import ComponentValidationException
 
+from elastic_ft.checkpoint.store import check_uri
 from elastic_ft.names import check_name
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -77,17 +78,6 @@ def _argument_errors(component):
             raise ComponentArgumentError(str(exc)) from exc
 
     return checked
-
-
-def _check_checkpoint_uri(uri: str) -> None:
-    """Refuse, before anything is submitted, a checkpoint URI every worker would refuse at start
-    (``s3://bucket/../x``, ``file://host/x``, an unknown scheme): ValueError naming the argument."""
-    from elastic_ft.checkpoint.store import StoreError, check_uri
-
-    try:
-        check_uri(uri)
-    except StoreError as exc:
-        raise ValueError(f"--checkpoint_uri: {exc}") from None
 
 
 def parse_nnodes(nnodes: str) -> "tuple[int, int]":
@@ -171,7 +161,7 @@ def train(
         nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas,
     )
-    _check_checkpoint_uri(checkpoint_uri)
+    check_uri(checkpoint_uri)  # as every worker would at its start, before anything is submitted
     cmd = _torchrun_args(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint or _default_endpoint(hi),
@@ -387,6 +377,7 @@ def _job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
         "LOGLEVEL": "WARNING",
+        "ELASTIC_FT_JOB_ID": macros.app_id,  # one job across restarts and nodes: checkpoint.lease.job_identity
     }
     if nproc_per_node > 1:
         # What torchrun sets itself for more than one process per node, set here so it

@@ -131,7 +131,7 @@ def test_a_checkpoint_uri_the_workers_would_refuse_is_refused_at_submission(uri,
     with pytest.raises(ValueError) as info:
         train(checkpoint_uri=uri)
     message = str(info.value)
-    assert message.startswith("--checkpoint_uri: ") and uri in message and expected in message, message
+    assert uri in message and expected in message, message
 
 
 @pytest.mark.parametrize("run_id", ["job1", "Run-2.b_c", "r" * 128, "0"])
