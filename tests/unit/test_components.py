@@ -208,3 +208,14 @@ def test_efa_interfaces_follow_the_named_host_type_or_efa():
     assert own.env["FI_PROVIDER"] == "tcp"  # --env wins
     with pytest.raises(ValueError, match="--efa must be -1"):
         train(efa=-2)
+
+
+def test_every_node_knows_its_job_across_restarts():
+    # The writer lease lets a restart of the same job (a new leader, perhaps on another node) take the run
+    # over at once: the job's identity is torchx's app id, the same on every node and every restart.
+    from torchx.specs import macros
+
+    (role,) = train().roles
+    assert role.env["ELASTIC_FT_JOB_ID"] == macros.app_id
+    resolved = macros.Values(img_root="", app_id="app-123", replica_id="0", rank0_env="").apply(role)
+    assert resolved.env["ELASTIC_FT_JOB_ID"] == "app-123"
