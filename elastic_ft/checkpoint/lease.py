@@ -76,17 +76,22 @@ def job_identity(environ: Mapping[str, str] | None = None, *, pid: int | None = 
     """What stays the same across one job's restarts and differs between two jobs.
 
     ``ELASTIC_FT_JOB_ID`` when set (the component sets torchx's app id: the same on every node and
-    every restart of a submission, new for the next submission). Else, under torchrun, its run id
-    (``TORCHELASTIC_RUN_ID``) with the agent (this host, the parent pid): a worker restart on the
-    same agent is the same job; a new leader on another node waits for the lease's expiry. Else
-    (no torchrun) this process alone.
+    every restart of a submission, new for the next submission). Else, under torchrun, its
+    rendezvous run id (``TORCHELASTIC_RUN_ID``, ``--rdzv-id``): what names one job to torchrun, the
+    same on every node and restart (``--standalone`` draws a new one per launch). torchrun's default
+    id, ``none``, names no job: then the agent (this host, the worker's parent pid), so that a worker
+    restart on the same agent is the same job and a new leader elsewhere waits for the lease's
+    expiry. Else (no torchrun) this process alone.
     """
     environ = os.environ if environ is None else environ
     host = host or socket.gethostname()
     if environ.get(JOB_ENV):
         return f"job:{environ[JOB_ENV]}"
-    if environ.get("TORCHELASTIC_RUN_ID"):
-        return f"torchrun:{environ['TORCHELASTIC_RUN_ID']}@{host}:{parent or os.getppid()}"
+    rdzv_id = environ.get("TORCHELASTIC_RUN_ID")
+    if rdzv_id and rdzv_id != "none":
+        return f"torchrun:{rdzv_id}"
+    if rdzv_id:
+        return f"torchrun:none@{host}:{parent or os.getppid()}"
     return f"process:{host}:{pid or os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 

@@ -59,9 +59,12 @@ def test_decide_takes_a_free_released_expired_or_own_lease(current, me, now, ali
 
 def test_the_job_identity_survives_restarts_and_tells_jobs_apart():
     assert job_identity({"ELASTIC_FT_JOB_ID": "local_cwd://torchx/app-1"}, host="h") == "job:local_cwd://torchx/app-1"
-    # under torchrun: its run id and the agent (the worker's parent), whichever worker process leads
+    # under torchrun: its rendezvous id, on every node (a new leader elsewhere is the same job)
     env = {"TORCHELASTIC_RUN_ID": "r1"}
-    assert job_identity(env, host="h", parent=7) == job_identity(env, host="h", parent=7) == "torchrun:r1@h:7"
+    assert job_identity(env, host="h", parent=7) == job_identity(env, host="g", parent=8) == "torchrun:r1"
+    # torchrun's default id names no job: the agent does
+    env = {"TORCHELASTIC_RUN_ID": "none"}
+    assert job_identity(env, host="h", parent=7) == "torchrun:none@h:7"
     assert job_identity(env, host="h", parent=8) != job_identity(env, host="h", parent=7)
     # a plain process is its own job, even the same pid again (a second run in one process)
     assert job_identity({}, host="h", pid=5) != job_identity({}, host="h", pid=5)
