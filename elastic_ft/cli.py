@@ -60,19 +60,25 @@ def _ls(args) -> int:
 
 
 def _verify(args) -> int:
-    """Exit 0: verified; 1: proven corrupt (named); 2 (from :func:`main`): could not be read, nothing concluded."""
-    from elastic_ft.checkpoint.manifest import ManifestCorrupt, manifest_key
+    """Exit 0: verified; 1: proven corrupt (named); 2: nothing concluded, because it could not be read
+    (from :func:`main`) or there is no such checkpoint (a run that does not exist is not a corrupt one)."""
+    from elastic_ft.checkpoint.manifest import ManifestCorrupt, manifest_key, step_of_key
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest, verify
     from elastic_ft.checkpoint.store import open_store
 
     store = open_store(args.uri)
+    infos = list_manifests(store)
+    if not infos:
+        print(f"elastic-ft: error: no committed checkpoints at {args.uri} to verify (a run's location is "
+              f"<checkpoint_uri>/<run_id>)", file=sys.stderr)
+        return 2
     if args.step is not None:
         key = manifest_key(args.step)
+        if key not in {info.key for info in infos}:
+            problem = missing_step_problem(args.step, [step_of_key(info.key) for info in infos])
+            print(f"elastic-ft: error: ckpt verify --step {args.step}: {args.uri} {problem}", file=sys.stderr)
+            return 2
     else:
-        infos = list_manifests(store)
-        if not infos:
-            print(f"{args.uri}: no committed checkpoints to verify", file=sys.stderr)
-            return 1
         key = infos[-1].key
     try:
         manifest = read_manifest(store, key)
@@ -90,10 +96,17 @@ def _verify(args) -> int:
 
 
 def _gc(args) -> int:
+    from elastic_ft.checkpoint.manifest import BLOB_PREFIX
+    from elastic_ft.checkpoint.reader import list_manifests
     from elastic_ft.checkpoint.retention import RetentionPolicy, apply_gc, collect
     from elastic_ft.checkpoint.store import open_store
 
     store = open_store(args.uri)
+    # A typo'd URI must not read as a run with nothing to collect (the blobs are listed only without manifests).
+    if not list_manifests(store) and not store.list(BLOB_PREFIX):
+        print(f"elastic-ft: no checkpoints or blobs at {args.uri}, nothing to collect (a run's location is "
+              f"<checkpoint_uri>/<run_id>)", file=sys.stderr)
+        return 1
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every, orphan_grace_s=args.grace)
     plan = collect(store, policy, time.time())
     for line in plan.lines():
@@ -121,6 +134,9 @@ def _run_events(run: str, command: str) -> tuple[str, list[dict]]:
         source, events = load_run_events(run)
     except FileNotFoundError as exc:
         raise ArgumentError(f"{command}: {exc}") from None
+    note = events.note(source)
+    if note:
+        print(f"elastic-ft: {note}", file=sys.stderr)
     if not any(e.get("event") == "start" for e in events):
         raise ArgumentError(f"{command}: {source} has no start event: not a training run's events")
     return source, events
@@ -167,13 +183,27 @@ class ArgumentError(ValueError):
     """A command-line argument that cannot work, found before anything is loaded; the message names it."""
 
 
-def out_dir_problem(out: str) -> str | None:
-    """Why ``out`` cannot be the export directory (an existing file, or under one), or None.
+def out_dir_problem(out: str, *, force: bool = False) -> str | None:
+    """Why ``out`` cannot be the export directory (an existing file, or under one, or a directory
+    that holds anything while ``force`` is off), or None.
 
-    An existing directory is fine: export writes its files into it.
+    An empty directory is fine. A non-empty one would get export's files among
+    its own (and lose those with the same names, an earlier export's weights
+    among them): refused, naming what is there, unless ``force``.
     """
     if os.path.isdir(out):
-        return None
+        if force:
+            return None
+        try:
+            names = sorted(os.listdir(out))
+        except OSError as exc:
+            return f"{out!r} cannot be read: {exc.strerror or exc}"
+        if not names:
+            return None
+        shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return (f"{out!r} is not empty (it holds {shown}{more}); name a new or empty directory, "
+                f"or add --force to write the export among those files (replacing any of the same name)")
     if os.path.lexists(out):
         return f"{out!r} is an existing file; name a directory (new or existing)"
     parent = os.path.dirname(os.path.abspath(out))
@@ -197,7 +227,7 @@ def missing_step_problem(step: int, steps: list[int], *, shown: int = 10) -> str
 
 def _check_export_args(args) -> None:
     """Refuse a bad ``--out`` or ``--step`` before export loads any checkpoint or model."""
-    problem = out_dir_problem(args.out)
+    problem = out_dir_problem(args.out, force=args.force)
     if problem:
         raise ArgumentError(f"export --out {problem}")
     if args.step is None:
@@ -275,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_gc)
     e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
     e.add_argument("uri", help=uri_help)
-    e.add_argument("--out", required=True, help="directory to write (created if missing; may exist)")
+    e.add_argument("--out", required=True, help="directory to write (created if missing; an existing one must "
+                                                "be empty unless --force)")
+    e.add_argument("--force", action="store_true",
+                   help="write into --out even if it holds files (those of the same name are replaced)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")

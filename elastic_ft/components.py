@@ -42,6 +42,7 @@ import torchx
 import torchx.specs as specs
 from torchx.specs import macros
 
+from elastic_ft.checkpoint.store import check_uri
 from elastic_ft.submission.app_metadata import app_metadata
 from elastic_ft.submission.arguments import argument_errors, check_arguments
 from elastic_ft.submission.bash_line import RANK0_ENDPOINT, bash_line
@@ -101,6 +102,7 @@ def train(
         rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, max_restarts=max_restarts, replicas=replicas, env=env,
     )
     check_batch_fits(spec, overrides, max_nodes=hi, nnodes=nnodes, nproc_per_node=nproc_per_node)
+    check_uri(checkpoint_uri)  # as every worker would at its start, before anything is submitted
     cmd = _torchrun_args(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint or _default_endpoint(hi),

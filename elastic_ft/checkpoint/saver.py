@@ -24,7 +24,10 @@ A failed part is retried with backoff, then reported (``on_error``) without
 stopping training, up to ``max_failed_saves`` failures in a row; the next
 submit or flush then raises :class:`SavesFailing`: a run must not train for
 hours with no checkpoint. A snapshot holding NaN or infinite values is never
-committed, and stops the run the same way at once (training cannot repair it).
+committed, and stops the run the same way at once (training cannot repair it);
+so does a manifest refused because another writer holds the run
+(:class:`WriterFenced`: its lease was taken over, or that writer committed the
+step first): retrying cannot help, and the run must not go on beside it.
 Every wait is bounded by ``timeout_s`` (:class:`SaveTimeout`). The worker
 thread survives anything its callbacks raise.
 """
@@ -41,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX
+from elastic_ft.checkpoint.lease import LeaseLost
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest
 from elastic_ft.checkpoint.store import StoreError
-from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tensors
+from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, Snapshot, shard_tensors
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,10 @@ class SavesFailing(SaveFailed):
 
 class SaveTimeout(SaveFailed):
     """A save did not finish within the saver's ``timeout_s``."""
+
+
+class WriterFenced(SaveFailed):
+    """Another writer holds the run (this writer's lease was lost, or its manifest conflicted): stop the run."""
 
 
 def nonfinite_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
@@ -214,7 +222,7 @@ class AsyncSaver:
         assert isinstance(exc, SaveFailed)
         self._error, self.last_failure = exc, exc
         self.failed_in_row += 1
-        if isinstance(exc, NonFiniteCheckpoint):
+        if isinstance(exc, (NonFiniteCheckpoint, WriterFenced)):
             self._stop = exc
         log.error("%s", exc)
         if self.on_error is not None:
@@ -317,7 +325,7 @@ class AsyncSaver:
 
     def _commit(self, snap: Snapshot, blobs: dict[str, BlobRef]) -> Manifest | None:
         """The leader commits the manifest naming ``blobs``; every rank learns the outcome."""
-        manifest, outcome, cause = None, None, None
+        manifest, outcome, cause, fenced = None, None, None, False
         if self.rank == 0:
             try:
                 if snap.sharded is not None and METADATA_BLOB not in blobs:
@@ -329,12 +337,14 @@ class AsyncSaver:
                 manifest = self.writer.commit_manifest(snap, blobs)
             except Exception as exc:
                 outcome, cause = f"{type(exc).__name__}: {exc}", exc
+                fenced = isinstance(exc, (LeaseLost, CheckpointConflict))
         if self.world_size > 1:  # the others learn whether the manifest landed
-            box = [outcome]
+            box = [(outcome, fenced)]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            outcome = box[0]
+            outcome, fenced = box[0]
         if outcome is not None:
-            raise SaveFailed(f"checkpoint of step {snap.step} not committed: its manifest: {outcome}") from cause
+            kind = WriterFenced if fenced else SaveFailed
+            raise kind(f"checkpoint of step {snap.step} not committed: its manifest: {outcome}") from cause
         return manifest
 
 

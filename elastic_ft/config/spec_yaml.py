@@ -13,6 +13,11 @@ and refuses a document whose aliases add more than :data:`MAX_ALIAS_EXPANSION`
 values, one that refers to itself, or one nested deeper than
 :data:`MAX_DEPTH`. Integers longer than :data:`MAX_NUMBER_CHARS` characters
 load as a :class:`HugeNumber`, so the spec's validation can name the field.
+
+A key given twice in one mapping (``optimizer:`` twice, ``steps:`` twice, at
+any depth) is refused with both line numbers: PyYAML keeps the last silently,
+so a second block would replace the first without a word. Keys brought in by a
+merge (``<<: *base``) may be overridden; that is what merging is for.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class _BoundedLoader(yaml.SafeLoader):
         node = super().compose_document()
         if node is not None:
             _check_graph(node)
+            _check_duplicate_keys(node)
         return node
 
     def construct_yaml_int(self, node):
@@ -110,6 +116,40 @@ def _children(node) -> list:
     if isinstance(node, yaml.SequenceNode):
         return list(node.value)
     return []
+
+
+def _check_duplicate_keys(root) -> None:
+    """Refuse a mapping that spells a key twice, naming its dotted path and both lines.
+
+    Keys compare by tag and text (``steps`` and ``'steps'`` are the same key;
+    a spec's keys are plain strings). Each distinct node is visited once, so
+    aliases cost nothing extra; the walk is iterative (depth is checked first).
+    """
+    seen: set[int] = set()
+    stack: list[tuple[object, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode):
+                    continue
+                name = f"{path}.{key.value}" if path else str(key.value)
+                if key.tag != "tag:yaml.org,2002:merge":
+                    earlier = first.setdefault((key.tag, key.value), key)
+                    if earlier is not key:
+                        a, b = earlier.start_mark.line + 1, key.start_mark.line + 1
+                        where = f"lines {a} and {b}" if a != b else f"twice on line {a}"
+                        raise YamlInputError(
+                            f"gives key {name!r} twice ({where}); "
+                            f"the second would silently replace the first: give it once"
+                        )
+                stack.append((value, name))
 
 
 def _check_graph(root) -> None:

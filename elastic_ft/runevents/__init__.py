@@ -10,6 +10,8 @@ lost afterwards; and at the run's end (best effort on any other exit).
   across machines);
 - :mod:`~elastic_ft.runevents.shipper`: the leader's side, fed by the :class:`~elastic_ft.runevents.events.EventLog`;
 - :mod:`~elastic_ft.runevents.merge`: the pure rule that merges batches into one history;
+- :mod:`~elastic_ft.runevents.schema`: the fields each kind of event needs, checked for every reader
+  (a malformed event is skipped and counted, never a traceback);
 - :mod:`~elastic_ft.runevents.load`: :func:`load_run_events` for the commands (``events``,
   ``status``, ``goodput``, ``plot``);
 - :mod:`~elastic_ft.runevents.status`: a run at a glance (``elastic-ft status``).

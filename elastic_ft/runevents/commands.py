@@ -38,6 +38,7 @@ def events_command(args: argparse.Namespace) -> int:
     from elastic_ft.runevents.merge import latest_steps
 
     events = store_events(args.uri)
+    _report_skipped(events, f"{args.uri.rstrip('/')}/events/")
     if not events:
         print(f"elastic-ft: no events at {args.uri.rstrip('/')}/events/ (a run's location is "
               f"<checkpoint_uri>/<run_id>; runs before this version kept them only in their events.jsonl)",
@@ -51,6 +52,14 @@ def events_command(args: argparse.Namespace) -> int:
         if not names or e.get("event") in names:
             out.write(json.dumps(e, default=str) + "\n")
     return 0
+
+
+def _report_skipped(events, source: str) -> None:
+    """One line on stderr for the malformed events a reader skipped (an
+    :class:`~elastic_ft.runevents.schema.EventList`'s count), once per command."""
+    note = events.note(source)
+    if note:
+        print(f"elastic-ft: {note}", file=sys.stderr)
 
 
 def _checkpoints(uri: str) -> tuple:
@@ -80,6 +89,7 @@ def status_command(args: argparse.Namespace) -> int:
 
     uri = args.uri.rstrip("/")
     events = store_events(uri)
+    _report_skipped(events, f"{uri}/events/")
     newest, count = _checkpoints(uri)
     if not events and newest is None:
         print(f"elastic-ft: no events and no committed checkpoints at {uri} (a run's location is "

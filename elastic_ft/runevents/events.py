@@ -32,6 +32,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from elastic_ft.runevents.schema import EventList, problem
+
 log = logging.getLogger("elastic_ft.runevents.events")
 
 
@@ -192,13 +194,24 @@ def _event_of(line: str) -> str | None:
         return None
 
 
-def read_events(path: str) -> list[dict]:
-    """All events of a file; a torn last line (writer killed mid-write) is ignored."""
-    out = []
+def read_events(path: str) -> EventList:
+    """The well-formed events of a file, in order (:mod:`~elastic_ft.runevents.schema`).
+
+    A line that is not an event (a torn last line of a writer killed
+    mid-write, a line without a field its kind needs) is skipped and counted
+    in the result's ``skipped``, with the first one's line number in ``first``.
+    """
+    out = EventList()
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             try:
-                out.append(json.loads(line))
+                event = json.loads(line)
             except json.JSONDecodeError:
+                out.skip(f"line {n}", "not JSON (a writer killed mid-line leaves one)")
                 continue
+            why = problem(event)
+            if why is None:
+                out.append(event)
+            else:
+                out.skip(f"line {n}", why)
     return out

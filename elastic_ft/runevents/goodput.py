@@ -34,6 +34,8 @@ import os
 import time
 from collections.abc import Mapping
 
+from elastic_ft.runevents.schema import valid
+
 CATEGORIES = ("kept", "redone", "checkpoint", "restart", "loading")
 LABELS = {
     "kept": "training (kept)", "redone": "steps redone after a loss", "checkpoint": "checkpoint blocking",
@@ -151,9 +153,10 @@ def attribute(events: list[dict]) -> Goodput:
     Wall time runs from the first attempt's agent start (its process start
     when not under torchrun) to the run's last event. Events whose times go
     backwards (rounding, clocks) add nothing, so the categories always sum
-    to the wall time. No ``start`` event: zero wall time.
+    to the wall time. No ``start`` event: zero wall time. Malformed events
+    are left out (:mod:`~elastic_ft.runevents.schema`).
     """
-    attempts = _attempts(events)
+    attempts = _attempts(valid(events))
     if not attempts:
         return Goodput({c: 0.0 for c in CATEGORIES}, 0.0, 0)
     first = attempts[0].events[0]

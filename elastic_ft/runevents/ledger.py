@@ -10,11 +10,14 @@ per epoch, in the order the cursor defines.
 
 from __future__ import annotations
 
+from elastic_ft.runevents.schema import valid
+
 
 def replay(events: list[dict]) -> dict[int, list[tuple[int, int]]]:
-    """step -> samples consumed at that step, as the final model saw them."""
+    """step -> samples consumed at that step, as the final model saw them (malformed events left out:
+    :mod:`~elastic_ft.runevents.schema`)."""
     history: dict[int, list[tuple[int, int]]] = {}
-    for e in events:
+    for e in valid(events):
         if e.get("event") == "resume_plan":
             resumed = int(e["step"])
             for step in [s for s in history if s >= resumed]:

@@ -26,15 +26,17 @@ import json
 from collections.abc import Iterable
 
 from elastic_ft.runevents.layout import parse_batch_key
+from elastic_ft.runevents.schema import EventList, problem, valid
 
 STEP_EVENTS = ("step", "step_done", "step_skipped", "ledger")
 """Events of one trained step: superseded when a later attempt trains the step again."""
 
 
-def parse_batch(key: str, text: str) -> list[tuple[tuple[int, int, str], dict]]:
+def parse_batch(key: str, text: str, skipped: EventList | None = None) -> list[tuple[tuple[int, int, str], dict]]:
     """The ``((attempt, seq, writer), event)`` pairs of one shipped object; [] for a key that is not a batch.
 
-    A line that is not a JSON object is skipped (it still counts in ``seq``).
+    A line that is not a well-formed event (:func:`~elastic_ft.runevents.schema.problem`) is skipped
+    (it still counts in ``seq``), and counted in ``skipped`` when given.
     """
     parsed = parse_batch_key(key)
     if parsed is None:
@@ -45,21 +47,27 @@ def parse_batch(key: str, text: str) -> list[tuple[tuple[int, int, str], dict]]:
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict):
+            why: str | None = "not JSON"
+        else:
+            why = problem(event)
+        if why is None:
             out.append(((attempt, first + i, writer), event))
+        elif skipped is not None:
+            skipped.skip(f"{key} line {i + 1}", why)
     return out
 
 
-def merge(batches: Iterable[tuple[str, str]]) -> list[dict]:
-    """Every event of the ``(key, text)`` objects once, in the run's order (see the module)."""
+def merge(batches: Iterable[tuple[str, str]]) -> EventList:
+    """Every well-formed event of the ``(key, text)`` objects once, in the run's order (see the module);
+    the malformed ones are counted in the result's ``skipped``."""
     seen: dict[tuple[int, int, str], dict] = {}
+    bad = EventList()
     for key, text in batches:
-        for ident, event in parse_batch(key, text):
+        for ident, event in parse_batch(key, text, bad):
             seen.setdefault(ident, event)
     # One process ships an attempt's events (its leader), so (attempt, seq) is the order; the writer only
     # makes the sort total.
-    return [seen[k] for k in sorted(seen)]
+    return EventList((seen[k] for k in sorted(seen)), skipped=bad.skipped, first=bad.first)
 
 
 def trained_step(event: dict) -> int | None:
@@ -73,14 +81,17 @@ def trained_step(event: dict) -> int | None:
     return step + 1 if name == "ledger" else step
 
 
-def latest_steps(events: list[dict]) -> list[dict]:
-    """``events`` without the per-step events of steps that a later attempt trained again (order kept)."""
+def latest_steps(events: list[dict]) -> EventList:
+    """``events`` without the per-step events of steps that a later attempt trained again (order kept);
+    malformed events are skipped (:func:`~elastic_ft.runevents.schema.valid`) and their count kept."""
+    events = valid(events)
     newest: dict[int, int] = {}
     for e in events:
         step = trained_step(e)
         if step is not None:
             newest[step] = max(newest.get(step, -1), _attempt(e))
-    return [e for e in events if (s := trained_step(e)) is None or _attempt(e) == newest[s]]
+    return EventList((e for e in events if (s := trained_step(e)) is None or _attempt(e) == newest[s]),
+                     skipped=events.skipped, first=events.first)
 
 
 def _attempt(event: dict) -> int:

@@ -13,6 +13,7 @@ import math
 
 from elastic_ft.runevents.goodput import CATEGORIES, LABELS, attribute
 from elastic_ft.runevents.merge import latest_steps
+from elastic_ft.runevents.schema import valid
 
 _CLEAN_ENDS = ("end", "preempted", "aborted")
 
@@ -118,7 +119,10 @@ def _speed(kept: list[dict], now: float, finished: bool) -> list[str]:
 
 def summary(run: str, events: list[dict], newest: Checkpoint | None, *, committed: int, now: float,
             live: LiveWorld | None = None, asked_rendezvous: bool = False) -> list[str]:
-    """The lines of ``elastic-ft status``: progress, last checkpoint, world, interruptions, goodput, speed."""
+    """The lines of ``elastic-ft status``: progress, last checkpoint, world, interruptions, goodput, speed.
+
+    Malformed events are left out (:mod:`~elastic_ft.runevents.schema`); the command reports their count."""
+    events = valid(events)
     kept = latest_steps(events)
     finished = bool(events) and events[-1].get("event") == "end"
     return [f"run {run}", *_progress(events, kept), *_checkpoint(newest, committed, now),

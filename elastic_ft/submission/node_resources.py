@@ -12,6 +12,7 @@ import dataclasses
 from typing import Dict, Mapping, Optional
 
 import torchx.specs as specs
+from torchx.specs import macros
 
 EFA_DEVICE = "vpc.amazonaws.com/efa"
 """torchx's name of an EFA interface among a resource's ``devices`` (``named_resources_aws.EFA_DEVICE``):
@@ -66,6 +67,7 @@ def job_env(env: Optional[Dict[str, str]], environ: Mapping[str, str], *, nproc_
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
         "LOGLEVEL": "WARNING",
+        "ELASTIC_FT_JOB_ID": macros.app_id,  # one job across restarts and nodes: checkpoint.lease.job_identity
     }
     if nproc_per_node > 1:
         # What torchrun sets itself for more than one process per node, set here so it

@@ -13,6 +13,13 @@ too); blank lines in JSON Lines are skipped (Arrow skips them); a file that is
 one JSON document (a list of records, or an object) is checked as a whole, its
 records numbered from 1; a field that no record has is reported as the spec's
 mistake (the field name), not as a line of the data.
+
+Memory: a line is read with a bound (:data:`MAX_LINE_BYTES`) before it is
+read whole, so a file with one huge line is refused, naming its file and
+line, at the cost of the bound (one 1 GB line took 2.4-4.5 GB of a rank's
+memory before it was refused). A file that is one JSON document is parsed
+whole (that is its format); it is refused above :data:`MAX_DOCUMENT_BYTES`
+before it is read. Cost: one pass over the files, memory of one line.
 """
 
 from __future__ import annotations
@@ -20,12 +27,56 @@ from __future__ import annotations
 import codecs
 import json
 import os
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from elastic_ft.config import DataConfig
 
 
 class DataError(ValueError):
     """The data section of the spec cannot be loaded."""
+
+
+MAX_LINE_BYTES = 16 * 2**20
+"""The longest line (one record) read: 16 MiB. A record of the longest ``data.max_length`` (2^17 tokens)
+is well under 1 MiB of text; a line past this is refused before it is read whole (every rank reads the
+files, so a huge line costs a few times its size on each)."""
+
+MAX_DOCUMENT_BYTES = 256 * 2**20
+"""The largest data file that is one JSON document (an array of records), which is parsed whole; larger
+data belongs in JSON Lines, read a line at a time."""
+
+_MiB = 2**20
+
+
+def _size(n: int) -> str:
+    return f"{n // _MiB} MiB ({n:,} bytes)" if n >= _MiB and n % _MiB == 0 else f"{n:,} bytes"
+
+
+def _lines(f: BinaryIO, where: str, path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` of each line of ``f``, newline kept; a line longer than
+    :data:`MAX_LINE_BYTES` (newline not counted) raises :class:`DataError` naming it, having read
+    no more than the bound of it."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise _line_error(where, path, lineno,
+                              f"a line longer than {_size(MAX_LINE_BYTES)}, the most "
+                              f"one record's line may hold; split its text into several records")
+        yield lineno, raw
+
+
+def _document_too_large(where: str, path: str) -> DataError | None:
+    size = os.path.getsize(path)
+    if size <= MAX_DOCUMENT_BYTES:
+        return None
+    return DataError(f"{where}: {path!r} is one JSON document of {size:,} bytes, more than "
+                     f"{_size(MAX_DOCUMENT_BYTES)}; a document is read whole, so write large data as "
+                     f"JSON Lines (one record a line), which is read a line at a time")
 
 
 def needed_fields(cfg: DataConfig) -> dict[str, str]:
@@ -113,11 +164,11 @@ def _check_json(path: str, where: str, fields: dict[str, str]) -> None:
     first: DataError | None = None
     records = 0
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _lines(f, where, path):
             try:
                 value = parse_line(raw, first=lineno == 1)
             except LineProblem as exc:
-                if records == 0 and head.startswith(b"{") and _is_json_document(path):
+                if records == 0 and head.startswith(b"{") and _is_json_document(path, where):
                     return  # one (pretty-printed) JSON object: datasets reads it column-wise
                 raise _line_error(where, path, lineno, str(exc)) from None
             if value is BLANK:
@@ -144,7 +195,10 @@ def _raise_field_problems(fields: dict[str, str], seen: set[str], first: DataErr
         raise first
 
 
-def _is_json_document(path: str) -> bool:
+def _is_json_document(path: str, where: str) -> bool:
+    too_large = _document_too_large(where, path)
+    if too_large is not None:
+        raise too_large
     try:
         with open(path, encoding="utf-8-sig") as f:
             json.load(f)
@@ -155,6 +209,9 @@ def _is_json_document(path: str) -> bool:
 
 def _check_json_document(path: str, where: str, fields: dict[str, str]) -> None:
     """A file holding one JSON array: records (objects, or strings read as a 'text' field) numbered from 1."""
+    too_large = _document_too_large(where, path)
+    if too_large is not None:
+        raise too_large
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -192,9 +249,9 @@ def read_json_lines(paths: list[str]) -> list[dict] | None:
     strings, in the same order.
     """
     rows: list[dict] = []
-    for path in paths:
+    for index, path in enumerate(paths):
         with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in _lines(f, f"data.files[{index}]", path):
                 try:
                     value = parse_line(raw, first=lineno == 1)
                 except LineProblem:
@@ -210,7 +267,7 @@ def read_json_lines(paths: list[str]) -> list[dict] | None:
 def _check_text(path: str, where: str) -> None:
     blank = True
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _lines(f, where, path):
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:

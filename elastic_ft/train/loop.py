@@ -34,7 +34,7 @@ from elastic_ft.runevents.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision, rng, sharding
+from elastic_ft.train import departure, precision, rng, run_lease, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -73,41 +73,48 @@ class Trainer(Saving):
         sharding.check_world(spec.parallelism, world.size)  # at every restart: the world may have changed
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
         self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
-        # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
-        # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
-        self.node_head = world.local_rank == 0 and not world.is_leader
-        self.events, self.shipper = open_run_events(world, self.store, os.path.join(opts.log_dir, "events.jsonl"),
-                                                    node_head=self.node_head, run_id=opts.run_id)
-        if spec.logging.tensorboard and world.is_leader:
-            self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
-        if spec.checkpoint.local_cache_dir is not None:
-            self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
-        load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
-        with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
-            self.tokenizer, self.model = model_mod.build(spec, inputs, device=load_to)
-            self.data = data_mod.load(spec.data, self.tokenizer, inputs)
-        if load_to is not None:  # an inline model; a pretrained one is there already: no copy
-            self.model.to(world.device)
-        self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
-        # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
-        self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
-                                 world.distributed)
-        self.sharded = sharding.is_sharded(self.net)
-        self.trainable = model_mod.trainable_state(self.model)
-        self.params = list(self.trainable.values())  # what the optimizer steps; the step clips their gradients
-        self.param_names = {p: n for n, p in self.trainable.items()}
-        self.optimizer = build_adamw(self.params, lr=self.plan.lr, cfg=spec.optimizer)
-        self.step = 0
-        self.cursor = 0
-        self.saver = self._open_saver()
-        self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
-        self.injector = faults.Injector.from_env()
-        self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
-                                 injector=self.injector)
-        self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
-        # What the spot policy weighs (the committed step and commit time are the leader's: it decides).
-        self.last_committed_step, self.last_commit_s, self.last_step_s = 0, None, None
-        self.preemption = Preemption(spec.spot, world, self.events, endpoint=imds_endpoint)
+        # One live writer per run: a second job on this run is refused here, before it writes anything.
+        self.lease = run_lease.hold(world, self.store, opts.run_id)
+        try:
+            # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
+            # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
+            self.node_head = world.local_rank == 0 and not world.is_leader
+            self.events, self.shipper = open_run_events(world, self.store, os.path.join(opts.log_dir, "events.jsonl"),
+                                                        node_head=self.node_head, run_id=opts.run_id)
+            if spec.logging.tensorboard and world.is_leader:
+                self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
+            if spec.checkpoint.local_cache_dir is not None:
+                self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
+            load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
+            with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
+                self.tokenizer, self.model = model_mod.build(spec, inputs, device=load_to)
+                self.data = data_mod.load(spec.data, self.tokenizer, inputs)
+            if load_to is not None:  # an inline model; a pretrained one is there already: no copy
+                self.model.to(world.device)
+            self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
+            # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
+            self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
+                                     world.distributed)
+            self.sharded = sharding.is_sharded(self.net)
+            self.trainable = model_mod.trainable_state(self.model)
+            self.params = list(self.trainable.values())  # what the optimizer steps; the step clips their gradients
+            self.param_names = {p: n for n, p in self.trainable.items()}
+            self.optimizer = build_adamw(self.params, lr=self.plan.lr, cfg=spec.optimizer)
+            self.step = 0
+            self.cursor = 0
+            self.saver = self._open_saver()
+            self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
+            self.injector = faults.Injector.from_env()
+            self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
+                                     injector=self.injector)
+            self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
+            # What the spot policy weighs (the committed step and commit time are the leader's: it decides).
+            self.last_committed_step, self.last_commit_s, self.last_step_s = 0, None, None
+            self.preemption = Preemption(spec.spot, world, self.events, endpoint=imds_endpoint)
+        except BaseException:  # not built: the lease must not outlive it (a retry in this process would wait)
+            if self.lease is not None:
+                self.lease.release()
+            raise
 
     # ------------------------------------------------------------------ resume
 
@@ -293,6 +300,8 @@ class Trainer(Saving):
     def close(self) -> None:
         self.preemption.close()
         self.saver.close()
+        if self.lease is not None:  # after the saver: no commit follows
+            self.lease.release()
         self.events.close()  # its sinks too: the shipper's last shipment (how this attempt stopped), TensorBoard
         self.store.close()
 

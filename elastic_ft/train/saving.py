@@ -49,9 +49,17 @@ class Saving:
         return AsyncSaver(
             CheckpointWriter(self.store, self.opts.run_id), rank=world.rank, world_size=world.size, group=ckpt_group,
             on_commit=self._on_commit, on_error=self._on_save_error, max_failed_saves=c.max_failed_saves,
-            before_commit=self.shipper.before_commit if self.shipper else None,
+            before_commit=self._before_commit if world.is_leader else None,
             timeout_s=c.save_timeout_s,
         )
+
+    def _before_commit(self, snap: Snapshot) -> None:
+        """Leader, between a checkpoint's blobs and its manifest: still the run's writer (else
+        :class:`~elastic_ft.checkpoint.lease.LeaseLost`, which stops the run), then the events shipped."""
+        if self.lease is not None:
+            self.lease.check()
+        if self.shipper is not None:
+            self.shipper.before_commit(snap)
 
     def save(self, reason: str, *, sync: bool = False) -> None:
         """Checkpoint the current step: every rank snapshots and uploads its shard.

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from elastic_ft.runevents.schema import valid
+
 MARK_KINDS = ("checkpoint", "preempted", "node_lost", "rescale", "restart")
 
 
@@ -170,7 +172,9 @@ def _marks(attempts: list[list[dict]], t0: float) -> list[Mark]:
 
 
 def run_series(events: list[dict]) -> RunSeries:
-    """What the plot of a run draws, from its events in file order (all attempts)."""
+    """What the plot of a run draws, from its events in file order (all attempts); malformed events are left
+    out (:mod:`~elastic_ft.runevents.schema`)."""
+    events = valid(events)
     attempts = by_attempt(events)
     t0 = _origin(events)
     tries, lost = _tries(attempts)

@@ -16,6 +16,9 @@ Steps redone after a restart: each attempt opens its own event file with
 earlier attempt's points from there on and shows each step once, the try the
 run kept (as ``elastic-ft plot`` draws it).
 
+A record that is not a well-formed event (:mod:`~elastic_ft.runevents.schema`)
+is skipped and counted, and the count logged once, at :meth:`TensorBoardSink.close`.
+
 The ``tensorboard`` package is an optional extra; :func:`missing` is the
 spec's check that it is installed, before any work.
 """
@@ -27,6 +30,7 @@ import logging
 import math
 
 from elastic_ft.runevents.events import console_line
+from elastic_ft.runevents.schema import EventList, problem
 
 TENSORBOARD_EXTRA = "pip install 'elastic-ft[tensorboard]'"
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "world": "train/world"}
@@ -57,6 +61,7 @@ class TensorBoardSink:
         self._writer = None
         self._warned = False
         self._summary_writer = None
+        self.skipped = EventList()
         try:
             # Imported here, while the trainer builds (about 2 s), not at the resume, where the other ranks wait.
             from torch.utils.tensorboard import SummaryWriter
@@ -80,6 +85,10 @@ class TensorBoardSink:
 
     def write(self, record: dict, line: str | None = None) -> None:
         if self._summary_writer is None:
+            return
+        why = problem(record)
+        if why is not None:
+            self.skipped.skip(f"record {record.get('event') if isinstance(record, dict) else '?'!r}", why)
             return
         try:
             self._write(record)
@@ -115,6 +124,9 @@ class TensorBoardSink:
             writer.flush()  # rare, and what a person watching looks for
 
     def close(self) -> None:
+        note = self.skipped.note(f"what was sent to TensorBoard at {self.log_dir}")
+        if note:
+            log.warning("TensorBoard: %s", note)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -51,6 +51,8 @@ def test_the_container_runs_torchrun_on_etcd3_with_the_run_id_and_s3_checkpoints
     env = {e["name"]: e["value"] for e in container["environment"]}
     name = dryrun(train_args()).request.name.rsplit("-", 1)[0]
     assert env.pop("TORCHX_JOB_ID").startswith(f"aws_batch://torchx/{name}-")
+    # the job's identity across its nodes and retries (the writer lease of its run): the submission's name
+    assert env.pop("ELASTIC_FT_JOB_ID").startswith(f"{name}-")
     assert env == {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
         "OMP_NUM_THREADS": "1",  # 2 processes per node: what torchrun would set, without its banner
@@ -151,7 +153,7 @@ def test_cli_dryrun_prints_the_exact_requests():
 
 
 def test_component_marks_its_app_with_tag_safe_facts():
-    meta = train(nnodes="2:8", run_id=RUN_ID, checkpoint_uri="s3://b/ä?x", rdzv_backend="etcd3",
+    meta = train(nnodes="2:8", run_id=RUN_ID, checkpoint_uri="s3://b/ä", rdzv_backend="etcd3",
                  rdzv_endpoint=ETCD).metadata
     assert meta == {
         "elastic_ft.component": "train", "elastic_ft.min_nodes": "2", "elastic_ft.max_nodes": "8",

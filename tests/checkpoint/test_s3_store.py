@@ -49,6 +49,22 @@ def test_store_parse_s3_uri_rejects(uri):
         parse_s3_uri(uri)
 
 
+@pytest.mark.parametrize("uri, segment", [("s3://bucket/../x", ".."), ("s3://bucket/runs/./r1", "."),
+                                          ("s3://bucket/a/b/..", ".."), ("s3://bucket/..", "..")])
+def test_store_parse_s3_uri_refuses_dot_segments_naming_the_uri(uri, segment):
+    # s3://bucket/../x reached the server, whose HTTP 400 was reported as an endpoint problem.
+    with pytest.raises(StoreError) as info:
+        parse_s3_uri(uri)
+    assert str(info.value) == (f"S3 URI {uri!r} has a {segment!r} path segment; S3 keys are not paths, so it "
+                               f"would name no prefix you mean: write the prefix without it")
+
+
+@pytest.mark.parametrize("uri", ["s3://../x", "s3://./x", "s3://-b/x", "s3://user@b/x", "s3://b:9000/x"])
+def test_store_parse_s3_uri_refuses_what_is_not_a_bucket(uri):
+    with pytest.raises(StoreError, match=r"is not a bucket name"):
+        parse_s3_uri(uri)
+
+
 def test_store_s3_options_are_validated_together(s3_env):
     with pytest.raises(StoreError) as info:
         S3Store("b", "p", client=object(), part_size=1024, max_attempts=0, max_concurrency=0)

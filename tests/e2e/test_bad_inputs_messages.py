@@ -111,6 +111,8 @@ def test_bad_data_line_through_the_worker_is_one_line(tmp_path, capsys):
     ("s3:bucket/runs", "names no bucket"),
     ("s3://bucket?x=1", "query or fragment"),
     ("s3://bucket//runs", "empty path segment"),
+    ("s3://bucket/../runs", "has a '..' path segment"),
+    ("s3://bucket/runs/./x", "has a '.' path segment"),
     ("file://host/runs", "file:///absolute/path"),
 ])
 def test_checkpoint_uri_is_quoted_as_typed(tmp_path, capsys, uri, expected):
@@ -137,6 +139,24 @@ def test_export_out_that_is_a_file_fails_before_loading(export_args, tmp_path, c
     message = one_error(capsys, "elastic-ft: error:")
     assert f"export --out {str(out)!r} is an existing file" in message, message
     assert out.read_bytes() == b"keep me"
+
+
+def test_export_into_a_non_empty_directory_is_refused_unless_forced(export_args, committed_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("an earlier export's")
+    (out / "notes.txt").write_text("keep me")
+    assert cli.main(["export", export_args, "--out", str(out)]) == 2
+    message = one_error(capsys, "elastic-ft: error:")
+    assert message == (f"elastic-ft: error: export --out {str(out)!r} is not empty (it holds adapter_config.json, "
+                       f"notes.txt); name a new or empty directory, or add --force to write the export among "
+                       f"those files (replacing any of the same name)")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "notes.txt"]
+    assert (out / "adapter_config.json").read_text() == "an earlier export's"
+    # --force writes the export among them
+    assert cli.main(["export", f"file://{committed_run}/run", "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    assert (out / "notes.txt").read_text() == "keep me" and (out / "adapter_model.safetensors").is_file()
 
 
 def test_export_step_that_does_not_exist_names_the_steps(export_args, tmp_path, capsys):

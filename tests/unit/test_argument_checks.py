@@ -31,11 +31,23 @@ def test_missing_step_names_the_committed_steps():
 
 
 def test_out_dir_problems(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert out_dir_problem(str(tmp_path / "empty")) is None
     (tmp_path / "f").write_text("x")
-    assert out_dir_problem(str(tmp_path)) is None
     assert out_dir_problem(str(tmp_path / "new" / "dir")) is None
     assert "is an existing file" in out_dir_problem(str(tmp_path / "f"))
     assert "is a file" in out_dir_problem(str(tmp_path / "f" / "sub"))
+
+
+def test_a_non_empty_out_dir_is_refused_naming_its_files_unless_forced(tmp_path):
+    for name in ("adapter_model.safetensors", "notes.txt", "a", "b", "c", "d"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "base").mkdir()
+    assert out_dir_problem(str(tmp_path)) == (
+        f"{str(tmp_path)!r} is not empty (it holds a, adapter_model.safetensors, b, base/, c and 2 more); "
+        f"name a new or empty directory, or add --force to write the export among those files "
+        f"(replacing any of the same name)")
+    assert out_dir_problem(str(tmp_path), force=True) is None
 
 
 def test_unmatched_targets_follow_peft_suffix_rule():

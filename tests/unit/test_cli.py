@@ -73,3 +73,68 @@ def test_events_and_status_of_a_location_with_nothing_there_say_so_and_fail(tmp_
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err.count("\n") == 1 and f"file://{tmp_path}/r" in out.err and "no events" in out.err
+
+
+@pytest.mark.parametrize("head, tail", [
+    (["ckpt", "ls"], []), (["ckpt", "verify"], []), (["ckpt", "gc"], ["--dry-run"]), (["events"], []),
+    (["status"], []), (["goodput"], []), (["export"], ["--out", "out"]), (["plot"], ["--out", "out.png"]),
+])
+def test_a_run_uri_with_a_dot_segment_is_refused_before_any_request(tmp_path, capsys, monkeypatch, head, tail):
+    # s3://bucket/../x reached the server, whose HTTP 400 read as an endpoint problem.
+    monkeypatch.chdir(tmp_path)
+    uri = "s3://bucket/../x"
+    assert main([*head, uri, *tail]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{uri!r} has a '..' path segment" in err, err
+
+
+def _committed(root, steps=(2, 4)) -> str:
+    """A run location with small committed checkpoints at ``steps``."""
+    import torch
+
+    from elastic_ft.checkpoint.local import LocalStore
+    from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
+
+    writer = CheckpointWriter(LocalStore(str(root)), "r")
+    for step in steps:
+        writer.commit(snapshot(step, step * 4, {"model": {"w": torch.full((3,), float(step))}},
+                               documents={"trainer": {"step": step}}, config_hash="h"))
+    return f"file://{root}"
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_ckpt_verify_of_a_run_that_is_not_there_is_not_a_corrupt_checkpoint(tmp_path, capsys, where):
+    # The README: exit 1 names a corrupt checkpoint, 2 concludes nothing. A run that does not exist exited 1.
+    if where == "empty":
+        (tmp_path / "r").mkdir()
+    uri = f"file://{tmp_path}/r"
+    assert main(["ckpt", "verify", uri]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"elastic-ft: error: no committed checkpoints at {uri} to verify "
+                                         f"(a run's location is <checkpoint_uri>/<run_id>)\n")
+
+
+def test_ckpt_verify_of_a_step_that_is_not_there_names_the_steps_and_exits_2(tmp_path, capsys):
+    uri = _committed(tmp_path / "r")
+    assert main(["ckpt", "verify", uri, "--step", "3"]) == 2
+    assert capsys.readouterr().err == (f"elastic-ft: error: ckpt verify --step 3: {uri} has no committed checkpoint "
+                                       f"at step 3; its committed steps: 2, 4\n")
+    assert main(["ckpt", "verify", uri, "--step", "2"]) == 0
+    assert "checkpoint at step 2 OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_ckpt_gc_of_a_location_with_nothing_there_says_so_and_exits_1(tmp_path, capsys, dry):
+    uri = f"file://{tmp_path}/typo"
+    assert main(["ckpt", "gc", uri, *dry]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"elastic-ft: no checkpoints or blobs at {uri}, nothing to collect "
+                                         f"(a run's location is <checkpoint_uri>/<run_id>)\n")
+
+
+def test_ckpt_gc_still_collects_orphans_without_a_manifest(tmp_path, capsys):
+    from elastic_ft.checkpoint.local import LocalStore
+
+    LocalStore(str(tmp_path / "r")).put("blobs/000000000002-abcd1234/model.safetensors", b"x")
+    assert main(["ckpt", "gc", f"file://{tmp_path}/r", "--grace", "0"]) == 0
+    assert "deleted 0 manifest(s) and 1 blob(s)" in capsys.readouterr().out

@@ -123,6 +123,19 @@ def test_run_id_must_be_one_safe_path_component(run_id):
         train(run_id=run_id)
 
 
+@pytest.mark.parametrize("uri, expected", [
+    ("s3://bucket/../x", "has a '..' path segment"),
+    ("s3://bucket/runs/.", "has a '.' path segment"),
+    ("file://host/runs", "file:///absolute/path"),
+    ("gs://bucket/runs", "gs"),
+])
+def test_a_checkpoint_uri_the_workers_would_refuse_is_refused_at_submission(uri, expected):
+    with pytest.raises(ValueError) as info:
+        train(checkpoint_uri=uri)
+    message = str(info.value)
+    assert uri in message and expected in message, message
+
+
 @pytest.mark.parametrize("run_id", ["job1", "Run-2.b_c", "r" * 128, "0"])
 def test_valid_run_ids_pass_through(run_id):
     cmd = command(train(run_id=run_id))
@@ -386,3 +399,14 @@ def test_torchx_refuses_the_world_in_one_line():
     last = proc.stderr.strip().splitlines()[-1].strip()
     assert last.startswith("--nnodes 1:20 x --nproc_per_node 2 = 40 processes at most, more than batch.global_batch "
                            "32 of 'specs/tiny-lora.yaml' under batch.policy constant_global"), explain(proc)
+
+
+def test_every_node_knows_its_job_across_restarts():
+    # The writer lease lets a restart of the same job (a new leader, perhaps on another node) take the run
+    # over at once: the job's identity is torchx's app id, the same on every node and every restart.
+    from torchx.specs import macros
+
+    (role,) = train().roles
+    assert role.env["ELASTIC_FT_JOB_ID"] == macros.app_id
+    resolved = macros.Values(img_root="", app_id="app-123", replica_id="0", rank0_env="").apply(role)
+    assert resolved.env["ELASTIC_FT_JOB_ID"] == "app-123"

@@ -328,6 +328,44 @@ def test_config_keys_are_strings_as_in_the_saved_json():
     assert spec.hash()
 
 
+def _lines_of(text: str, line: str) -> list[int]:
+    return [n for n, got in enumerate(text.splitlines(), 1) if got == line]
+
+
+@pytest.mark.parametrize("edit,key,first,second", [
+    # a second optimizer block after the first: PyYAML kept only the second
+    (lambda t: t + "optimizer:\n  lr: 1.0e-4\n", "optimizer", "optimizer:", "optimizer:"),
+    (lambda t: t.replace("steps: 100", "steps: 100\nsteps: 7"), "steps", "steps: 100", "steps: 7"),
+    # at depth, and spelled with quotes: still the same key
+    (lambda t: t.replace("  warmup_steps: 5", "  warmup_steps: 5\n  'warmup_steps': 9"), "optimizer.warmup_steps",
+     "  warmup_steps: 5", "  'warmup_steps': 9"),
+    (lambda t: t.replace("    hidden_size: 64", "    hidden_size: 64\n    hidden_size: 32"), "model.config.hidden_size",
+     "    hidden_size: 64", "    hidden_size: 32"),
+])
+def test_duplicate_keys_in_a_spec_file_are_refused_with_both_lines(tmp_path, edit, key, first, second):
+    text = edit(_spec_text())
+    lines = (_lines_of(text, first)[0], _lines_of(text, second)[-1])
+    assert lines[0] < lines[1]
+    path = _write(tmp_path / "dup.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_spec(path)
+    assert info.value.problems == [("spec", f"file {path!r} is refused: it gives key {key!r} twice "
+                                            f"(lines {lines[0]} and {lines[1]}); the second would silently "
+                                            f"replace the first: give it once")]
+
+
+def test_duplicate_keys_in_an_override_value_are_refused():
+    problems = problems_of(raw_spec(), ["model.config.x={a: 1, b: {c: 2, c: 3}}"])
+    assert problems == {"model.config.x": "override value is refused: it gives key 'b.c' twice (twice on line 1); "
+                                          "the second would silently replace the first: give it once"}
+
+
+def test_merge_keys_may_still_be_overridden(tmp_path):
+    # "<<: *base" then the same key: overriding a merged value is what merging is for, not a duplicate
+    spec = load_spec(SPEC, ["model.config={model_type: llama, base: &b {x: 1, y: 2}, c: {<<: *b, x: 3}}"])
+    assert spec.model.config["c"] == {"x": 3, "y": 2}
+
+
 # --------------------------------------------------------------------------- the spec file itself
 
 

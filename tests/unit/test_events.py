@@ -58,7 +58,7 @@ def test_the_console_gets_a_short_line_and_the_file_the_json(tmp_path, caplog):
         events.emit("rescale", step=40, reason="constant_global", changed={"world": {"old": 3, "new": 2}})
         events.emit("checkpoint_committed", step=60, key="file:///x", bytes=214059, seconds=0.05, reason="every_steps")
         events.emit("end", step=100, final_loss=5.264629905934453, seconds=12.3)
-        events.emit("ledger", quiet=True, step=1, samples=[[0, 1]])
+        events.emit("ledger", quiet=True, step=1, samples=[[[0, 1]]])  # per rank, (epoch, index) pairs
     events.close()
     assert [r.getMessage() for r in caplog.records] == [
         "start: attempt 2 of run r1, world 2, 100 steps",
