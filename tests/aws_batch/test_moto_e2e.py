@@ -21,6 +21,8 @@ from tests.checkpoint.s3_servers import wait_until
 from tests.conftest import BIN, explain, process_env
 from tests.ports import free_port
 
+pytestmark = pytest.mark.torchrun  # the torchx CLI (moto_server: the `moto` fixture)
+
 QUEUE = "spot-q"
 
 

@@ -41,6 +41,9 @@ from tests.spot.imds_server import FakeImds
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torchrun,
+    pytest.mark.etcd,
+    pytest.mark.s3server,
     pytest.mark.timeout(900),
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/setup.sh --test)"),
 ]

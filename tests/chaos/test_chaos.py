@@ -52,7 +52,7 @@ OVERRIDES = overrides()
 LOSS_TOLERANCE = 2e-3
 FINISH_S = 400
 
-pytestmark = pytest.mark.slow  # launches torchrun agents
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.mark.etcd]  # torchrun agents on etcd
 
 
 @pytest.fixture

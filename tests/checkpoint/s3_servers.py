@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.ports import free_port, free_ports
+from tests.process_guard import started
 
 MiB = 1 << 20
 
@@ -135,6 +136,7 @@ class MotoServer:
         )
 
     def start(self) -> S3Endpoint:
+        started("s3server", "the moto S3 server")
         self._server.start()
         wait_until(
             lambda: self.endpoint.client().list_buckets() is not None, timeout=30, what="moto server answering"

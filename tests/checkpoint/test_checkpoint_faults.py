@@ -308,6 +308,7 @@ for step in (1, 2):
 """
 
 
+@pytest.mark.subprocess
 def test_writer_killed_mid_upload_resume_from_previous_and_gc_removes_orphans(seaweed):
     p = seaweed
     # Checkpoint 2's optimizer blob is held in the proxy: the process is
@@ -355,6 +356,7 @@ def test_writer_killed_mid_upload_resume_from_previous_and_gc_removes_orphans(se
     assert assert_committed_blobs_intact(p.direct) == [1]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("blob", ["optimizer", "model"])
 def test_blob_altered_after_commit_verify_names_it_and_load_falls_back(seaweed, blob):
     # The 16 KiB optimizer blob has a plain sha256; the 6 MiB model blob a

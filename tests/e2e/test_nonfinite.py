@@ -99,6 +99,7 @@ def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
     assert list_manifests(LocalStore(os.path.join(run_root, "r"))) == []
 
 
+@pytest.mark.torchrun
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(run_root):
     # Only rank 1's loss is NaN; the gradient norm after DDP's all-reduce is NaN on
     # both ranks, so both skip the update (a rank that stepped alone would leave

@@ -19,6 +19,8 @@ from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
 from tests.e2e.conftest import train
 
 LR, PER_RANK, REFERENCE = 1e-3, 8, 2
+pytestmark = pytest.mark.torchrun
+
 COMMON = ["steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=null", "logging.ledger=true",
           "logging.every_steps=1", "optimizer.schedule=constant", "optimizer.warmup_steps=0", f"optimizer.lr={LR}",
           "batch.policy=scale_with_world", f"batch.global_batch={PER_RANK * REFERENCE}", f"batch.micro_batch=4",

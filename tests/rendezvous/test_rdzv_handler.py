@@ -137,6 +137,7 @@ def test_entry_point_is_registered_for_torchrun():
 
 @pytest.mark.parametrize("module", sorted(
     m.name for m in pkgutil.iter_modules(elastic_ft.rendezvous.__path__) if m.name != "entry"))
+@pytest.mark.subprocess
 def test_etcd3_is_registered_whichever_of_our_modules_imports_torchs_rendezvous_first(module):
     # torch loads the entry points while its rendezvous package initialises; an entry point that imported
     # our modules found the one being imported half-initialised, and torch dropped etcd3 with a warning.

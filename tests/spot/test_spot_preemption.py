@@ -27,7 +27,7 @@ from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import DEFAULT_SPEC, REPO, explain, process_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 STEPS = 300
 WAIT_S = 240.0  # generous bounds: CI's 2 cores are loaded

@@ -184,6 +184,7 @@ sys.exit(3)
 # 1.5 s steps (each longer than boundary_s=1) pass boundaries, and none is cut off.
 @pytest.mark.parametrize("mode, boundary_s, runs_s, code", [
     ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3), ("steps", "1", "0", 3)])
+@pytest.mark.subprocess
 def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, boundary_s, runs_s, code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
