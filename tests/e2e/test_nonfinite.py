@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_blobs, read_manifest
