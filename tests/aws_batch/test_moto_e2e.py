@@ -17,9 +17,9 @@ import boto3
 import pytest
 
 from tests.aws_batch.conftest import RUN_ID, torchx, train_args
-from tests.checkpoint.s3_servers import wait_until
 from tests.conftest import BIN, explain, process_env
 from tests.ports import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.torchrun  # the torchx CLI (moto_server: the `moto` fixture)
 
@@ -36,7 +36,7 @@ def moto(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=2).status == 200,
-                   timeout=30, what="moto_server answering")
+                   timeout=30, what="moto_server answering", retry_on=(OSError,))
         config = urllib.request.Request(
             f"{endpoint}/moto-api/config", data=json.dumps({"batch": {"use_docker": False}}).encode(),
             method="POST", headers={"Content-Type": "application/json"},

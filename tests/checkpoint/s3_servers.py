@@ -18,29 +18,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from tests.ports import free_port, free_ports
 from tests.process_guard import started
+from tests.waiting import wait_until
 
 MiB = 1 << 20
-
-
-def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``condition`` until it is true; raise naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except Exception as exc:  # the server is still starting: keep polling
-            last_exc = exc
-        time.sleep(interval)
-    raise TimeoutError(f"{what} did not happen within {timeout} s (last error: {last_exc!r})")
 
 
 @dataclasses.dataclass
@@ -138,9 +123,8 @@ class MotoServer:
     def start(self) -> S3Endpoint:
         started("s3server", "the moto S3 server")
         self._server.start()
-        wait_until(
-            lambda: self.endpoint.client().list_buckets() is not None, timeout=30, what="moto server answering"
-        )
+        wait_until(lambda: self.endpoint.client().list_buckets() is not None, timeout=30,
+                   what="moto server answering", interval=0.05, retry_on=(Exception,))
         self.endpoint.ensure_bucket()
         self.endpoint.prove_conditional_put()
         return self.endpoint
@@ -255,17 +239,18 @@ class SeaweedServer:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir, preexec_fn=_die_with_parent
         )
 
-        def ready() -> bool:
+        def running() -> None:
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"weed mini exited with {self._proc.returncode} while starting; "
                     f"command: {' '.join(cmd)}; log: {self.log_path}"
                 )
-            self.endpoint.client().head_bucket(Bucket=self.endpoint.bucket)
-            return True
 
         try:
-            wait_until(ready, timeout=60, what=f"SeaweedFS S3 on port {self.s3_port} serving the test bucket")
+            # Any error of the S3 client means "not serving yet" while the process lives.
+            wait_until(lambda: self.endpoint.client().head_bucket(Bucket=self.endpoint.bucket), timeout=60,
+                       what=f"SeaweedFS S3 on port {self.s3_port} serving the test bucket", interval=0.05,
+                       check=running, retry_on=(Exception,))
             self.endpoint.prove_conditional_put()
         except BaseException:
             self.stop()

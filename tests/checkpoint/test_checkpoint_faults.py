@@ -29,13 +29,14 @@ from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import ObjectStore, StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, new_nonce, snapshot
 from tests.conftest import cli, explain, process_env
+from tests.waiting import wait_until
 
 from elastic_ft.checkpoint.s3 import S3Store
 
 try:
-    from .s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store, wait_until
+    from .s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store
 except ImportError:
-    from s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store, wait_until
+    from s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store
 
 RUN = "faulty"
 

@@ -14,11 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_port, free_ports  # noqa: F401  (free_port: for the tests)
+from tests.waiting import wait_until
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -194,23 +194,16 @@ class EtcdServer:
         )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        def running() -> None:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"etcd exited with {self.process.returncode} at start; see {self.log_path}:\n"
                     + self.log_path.read_text()[-3000:]
                 )
-            # A plain read needs a leader, unlike "endpoint health" with auth on.
-            result = self.etcdctl("get", "/health-probe", check=False)
-            if result.returncode == 0:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd at {self.endpoint} did not become healthy within {timeout} s: "
-                    f"{result.stderr.strip()}"
-                )
-            time.sleep(0.1)  # polling a condition with a deadline
+
+        # A plain read needs a leader, unlike "endpoint health" with auth on.
+        wait_until(lambda: self.etcdctl("get", "/health-probe", check=False).returncode == 0, timeout=timeout,
+                   what=f"etcd at {self.endpoint} to serve reads", check=running)
 
     def enable_auth(self, password: str) -> None:
         """Create user root with ``password`` and turn authentication on."""
