@@ -38,8 +38,8 @@ FIXTURE_MARKERS = {
 """Fixtures that start (or share) a server or a job, and the marker a test that uses one gets."""
 
 LAZY_S3 = "s3_servers"
-"""Starts an S3 server when a test first asks it for one: marks ``s3server`` unless the test reaches
-it only through ``backend`` parametrized to the filesystem."""
+"""Starts an S3 server when a test first asks it for one: marks ``s3server`` unless the test is
+parametrized to the filesystem (``backend``, ``race_store``: ``file``), where it asks for none."""
 
 _TOOLS = {
     "torchrun": "torchrun", "torchx": "torchrun",
@@ -71,7 +71,7 @@ def markers_for_fixtures(fixturenames: Iterable[str], params: dict | None = None
     """The markers a test gets from the fixtures it uses (``params``: its parametrization)."""
     names = set(fixturenames)
     marks = {FIXTURE_MARKERS[n] for n in names if n in FIXTURE_MARKERS}
-    if LAZY_S3 in names and not (params and params.get("backend") == "file"):
+    if LAZY_S3 in names and not (params and "file" in params.values()):
         marks.add("s3server")
     return marks
 

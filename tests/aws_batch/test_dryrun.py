@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 import torchx
 from torchx.schedulers.aws_batch_scheduler import TAG_TORCHX_APPNAME, TAG_TORCHX_USER, TAG_TORCHX_VER
 
@@ -135,6 +136,7 @@ def test_job_names_keep_to_batch_alphabet():
     assert set(request.name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
+@pytest.mark.torchrun
 def test_cli_dryrun_prints_the_exact_requests():
     proc = torchx_cli("run", "-s", "aws_batch", "--dryrun", "-cfg", "queue=q", "elastic_ft.train", *train_args())
     assert proc.returncode == 0, explain(proc)

@@ -181,6 +181,7 @@ def test_spec_name_that_cannot_be_a_run_id(tmp_path, monkeypatch, capsys, name):
     assert _files_under(tmp_path) == []
 
 
+@pytest.mark.torchrun
 def test_run_id_outside_checkpoint_uri_is_refused_by_the_torchx_component(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
