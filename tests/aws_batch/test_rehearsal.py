@@ -36,7 +36,6 @@ from elastic_ft.train.cursor import take
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, png_size, process_env
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
-from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [

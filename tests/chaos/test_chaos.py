@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -32,9 +30,6 @@ from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
 from tests.chaos.cluster import Cluster, chaos_plan, stall_bound
 from tests.e2e.conftest import train
 from tests.waiting import wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rendezvous"))
-from etcd_server import EtcdServer  # noqa: E402
 
 # While a node restarts (10-20 s of imports on 2 cores) the others train on, at up to 10 steps/s at world 1:
 # the losses of a sequence must all come before the run's end.
@@ -57,14 +52,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.
 
 
 @pytest.fixture
-def cluster(tmp_path, request):
-    etcd = EtcdServer(tmp_path / "etcd").start()
+def cluster(etcd, tmp_path, request):
+    """Three nodes (1, 2 and 1 processes) of a run of this test's own on the session's etcd."""
     c = Cluster(etcd.endpoint, request.node.name.replace("[", "-").rstrip("]"), tmp_path, [1, 2, 1], OVERRIDES)
     try:
         yield c
     finally:
         c.stop_all()
-        etcd.stop()
 
 
 @pytest.fixture(scope="module")

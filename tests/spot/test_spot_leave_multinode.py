@@ -34,7 +34,6 @@ from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.rendezvous.etcd_server import EtcdServer
-from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [
