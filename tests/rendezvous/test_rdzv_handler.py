@@ -284,6 +284,7 @@ def etcd_auth_plain(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
         server.stop()
 
 
+@pytest.mark.etcd  # its own etcd with auth (etcd_auth_plain)
 def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, run_id):
     conf = dict(user="root", password=ROOT_PASSWORD)
     with pytest.raises(ValueError, match="without TLS .* give ca_cert .* insecure_auth=true"):
