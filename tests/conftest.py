@@ -10,6 +10,12 @@ import sys
 
 import pytest
 
+from tests.process_guard import (  # noqa: F401  (hooks: pytest finds them in this module)
+    pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport, pytest_runtest_protocol,
+    pytest_unconfigure,
+)
+from tests.servers import etcd, etcd_tls, moto, s3_servers, seaweed, seaweedfs, tls_files  # noqa: F401  (fixtures)
+
 # Every worker polls the instance metadata service for spot notices. Tests send
 # traffic to 127.0.0.1 only: a closed local port reads as "not on EC2" at once.
 # Tests of the notices serve their own IMDS and set the endpoint themselves.

@@ -1,4 +1,11 @@
-"""Free TCP ports on 127.0.0.1 for the servers tests and benchmarks start."""
+"""Free TCP ports on 127.0.0.1, for servers that must be told their port before they bind it.
+
+A pick is check-then-use: another process may bind the port before the server does. Servers that
+can bind port 0 and report the port do that instead (moto, the fault proxy, the fake IMDS, the S3
+stub); etcd and SeaweedFS cannot, and retry a first start on new ports when a pick was taken
+(tests/rendezvous/etcd_server.py, tests/checkpoint/s3_servers.py). ``free_port()`` also names a port
+where nothing listens, for tests of an unreachable endpoint.
+"""
 
 from __future__ import annotations
 

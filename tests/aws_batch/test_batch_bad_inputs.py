@@ -8,6 +8,8 @@ import pytest
 from tests.aws_batch.conftest import torchx, train_args
 from tests.conftest import explain
 
+pytestmark = pytest.mark.torchrun  # the torchx CLI's dry run
+
 CASES = {
     "nnodes min 0": ({"nnodes": "0:8"}, "queue=q", "--nnodes '0:8': need 1 <= MIN <= MAX"),
     "nnodes min over max": ({"nnodes": "8:2"}, "queue=q", "--nnodes '8:2': need 1 <= MIN <= MAX"),

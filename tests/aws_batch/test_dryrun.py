@@ -141,6 +141,7 @@ def test_job_names_keep_to_batch_alphabet():
     assert set(request.name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
+@pytest.mark.torchrun
 def test_cli_dryrun_prints_the_exact_requests():
     proc = torchx_cli("run", "-s", "aws_batch", "--dryrun", "-cfg", "queue=q", "elastic_ft.train", *train_args())
     assert proc.returncode == 0, explain(proc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import urllib.request
 
@@ -17,9 +18,10 @@ import boto3
 import pytest
 
 from tests.aws_batch.conftest import RUN_ID, torchx, train_args
-from tests.checkpoint.s3_servers import wait_until
 from tests.conftest import BIN, explain, process_env
-from tests.ports import free_port
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.torchrun  # the torchx CLI (moto_server: the `moto` fixture)
 
 QUEUE = "spot-q"
 
@@ -27,14 +29,22 @@ QUEUE = "spot-q"
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory):
     """``(endpoint, env)``: moto's batch with a compute environment and a queue, and a CLI environment."""
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([os.path.join(BIN, "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
+    log = open(log_path, "w")
+    # Port 0: the server binds a free port itself and prints it ("Running on http://127.0.0.1:PORT").
+    proc = subprocess.Popen([os.path.join(BIN, "moto_server"), "-H", "127.0.0.1", "-p", "0"],
                             stdout=log, stderr=subprocess.STDOUT)
+
+    def running() -> None:
+        if proc.poll() is not None:
+            raise AssertionError(f"moto_server exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
+
     try:
+        found = wait_until(lambda: re.search(r"Running on (http://127\.0\.0\.1:\d+)", log_path.read_text()),
+                           timeout=30, what="moto_server to print its address", check=running)
+        endpoint = found.group(1)
         wait_until(lambda: urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=2).status == 200,
-                   timeout=30, what="moto_server answering")
+                   timeout=30, what="moto_server answering", retry_on=(OSError,), check=running)
         config = urllib.request.Request(
             f"{endpoint}/moto-api/config", data=json.dumps({"batch": {"use_docker": False}}).encode(),
             method="POST", headers={"Content-Type": "application/json"},

@@ -36,11 +36,13 @@ from elastic_ft.train.cursor import take
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, png_size, process_env
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
-from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torchrun,
+    pytest.mark.etcd,
+    pytest.mark.s3server,
     pytest.mark.timeout(900),
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/setup.sh --test)"),
 ]

@@ -76,6 +76,7 @@ def test_other_apps_describe_as_torchx_does():
     assert ours.roles[0].num_replicas == 2 and ours.state.name == "RUNNING"
 
 
+@pytest.mark.torchrun
 def test_stock_components_on_local_cwd(tmp_path):
     with get_runner() as runner:
         ddp = runner.dryrun_component("dist.ddp", STOCK_APPS["dist.ddp"], "local_cwd", cfg={})

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elastic_ft.runevents.events import read_events
 from elastic_ft.spot.imds import ENDPOINT_ENV
+from tests import waiting
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env
 from tests.spot.imds_server import FakeImds
@@ -140,15 +141,8 @@ class Cluster:
 
 
 def wait_until(condition, timeout: float, what: str, cluster: Cluster, poll: float = 0.25):
-    """Poll ``condition`` until truthy, or fail at ``timeout`` naming ``what`` with the nodes' log tails."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{cluster.tails()}")
-        time.sleep(poll)
+    """:func:`tests.waiting.wait_until` failing with the nodes' log tails (bench/preemption.py calls it too)."""
+    return waiting.wait_until(condition, timeout=timeout, what=what, interval=poll, on_timeout=cluster.tails)
 
 
 def stall_bound() -> float:

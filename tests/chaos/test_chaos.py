@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
-from tests.chaos.cluster import Cluster, chaos_plan, stall_bound, wait_until
+from tests.chaos.cluster import Cluster, chaos_plan, stall_bound
 from tests.e2e.conftest import train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rendezvous"))
-from etcd_server import EtcdServer  # noqa: E402
+from tests.waiting import wait_until
 
 # While a node restarts (10-20 s of imports on 2 cores) the others train on, at up to 10 steps/s at world 1:
 # the losses of a sequence must all come before the run's end.
@@ -52,18 +48,17 @@ OVERRIDES = overrides()
 LOSS_TOLERANCE = 2e-3
 FINISH_S = 400
 
-pytestmark = pytest.mark.slow  # launches torchrun agents
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.mark.etcd]  # torchrun agents on etcd
 
 
 @pytest.fixture
-def cluster(tmp_path, request):
-    etcd = EtcdServer(tmp_path / "etcd").start()
+def cluster(etcd, tmp_path, request):
+    """Three nodes (1, 2 and 1 processes) of a run of this test's own on the session's etcd."""
     c = Cluster(etcd.endpoint, request.node.name.replace("[", "-").rstrip("]"), tmp_path, [1, 2, 1], OVERRIDES)
     try:
         yield c
     finally:
         c.stop_all()
-        etcd.stop()
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +87,13 @@ def reference_loss(reference_losses, tmp_path_factory) -> float:
 def start_all(c: Cluster) -> None:
     for node in c.nodes:
         c.start(node)
-    wait_until(lambda: c.trained_since(0, steps=2), FINISH_S, "the first steps", c)
+    wait_until(lambda: c.trained_since(0, steps=2), timeout=FINISH_S, what="the first steps", on_timeout=c.tails)
 
 
 def trains_again(c: Cluster, since: float, what: str) -> None:
     """The nodes still up train again (a worker started after ``since`` finished a step), within the bound."""
-    wait_until(lambda: c.trained_since(since) or c.finished(), stall_bound(), f"training again after {what}", c)
+    wait_until(lambda: c.trained_since(since) or c.finished(), timeout=stall_bound(),
+               what=f"training again after {what}", on_timeout=c.tails)
 
 
 def finish(c: Cluster, reference: float, steps: int = STEPS) -> list[dict]:
@@ -105,7 +101,7 @@ def finish(c: Cluster, reference: float, steps: int = STEPS) -> list[dict]:
     for node in c.nodes:
         if not node.running:
             c.start(node)
-    wait_until(c.finished, FINISH_S, "the end of the run", c, poll=1)
+    wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)
     events = c.events()
     plans = [e for e in events if e["event"] == "resume_plan"]
     assert all(p["skipped"] == [] for p in plans), [p["skipped"] for p in plans]  # no torn checkpoint met
@@ -126,8 +122,8 @@ def test_node_killed_restarted_and_killed_again_within_seconds(cluster, referenc
     c.kill(victim)
     c.start(victim)
     # Killed again once its new round completed, before its workers could join the process group.
-    wait_until(lambda: "Rendezvous complete" in victim.agent.tail(200_000), stall_bound(), "the rejoin round", c,
-               poll=0.1)
+    wait_until(lambda: "Rendezvous complete" in victim.agent.tail(200_000), timeout=stall_bound(),
+               what="the rejoin round", on_timeout=c.tails)
     c.kill(victim)
     trains_again(c, time.time(), "the second kill")
     finish(c, reference_loss)
@@ -142,7 +138,8 @@ def test_whole_job_lost_and_started_again_with_the_same_command_then_again_once_
     reference = reference_of(reference_losses, tmp_path_factory, WHOLE_JOB_STEPS)
     c.overrides = overrides(WHOLE_JOB_STEPS)  # before any node starts: every command of the run has them
     start_all(c)
-    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in c.events()), FINISH_S, "a checkpoint", c)
+    wait_until(lambda: any(e["event"] == "checkpoint_committed" for e in c.events()), timeout=FINISH_S,
+               what="a checkpoint", on_timeout=c.tails)
     for node in c.nodes:
         c.kill(node)
     t = time.time()

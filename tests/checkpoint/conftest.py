@@ -1,14 +1,13 @@
 """Fixtures for the checkpoint store tests: real S3 servers, the fault proxy, stores.
 
-The servers are session-scoped and started only when a test asks for them, so
-``-k file`` runs without starting any. Every store gets its own key prefix,
+The servers are the session's (``s3_servers``, tests/servers.py), started only when a test
+asks for one, so ``-k file`` runs without starting any. Every store gets its own key prefix,
 so tests share a server without seeing each other's objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 
@@ -17,53 +16,10 @@ from elastic_ft.checkpoint.store import ObjectStore
 
 try:  # a package when tests/ gains __init__.py files, plain modules otherwise
     from .fault_proxy import FaultProxy
-    from .s3_servers import S3_BACKENDS, MotoServer, S3Endpoint, SeaweedServer, make_s3_store
+    from .s3_servers import S3_BACKENDS, S3Endpoint, make_s3_store
 except ImportError:
     from fault_proxy import FaultProxy
-    from s3_servers import S3_BACKENDS, MotoServer, S3Endpoint, SeaweedServer, make_s3_store
-
-
-class S3Servers:
-    """Starts each S3 server the first time a test asks for it; stops them all at the end.
-
-    One session fixture that starts servers on demand, rather than one fixture
-    per server fetched with ``getfixturevalue``: pytest tears such dynamically
-    requested session fixtures down and up again between parametrized modules,
-    which restarted SeaweedFS for nothing.
-    """
-
-    def __init__(self, tmp_path_factory) -> None:
-        self._tmp = tmp_path_factory
-        self._running: dict[str, object] = {}
-        self._endpoints: dict[str, S3Endpoint] = {}
-
-    def get(self, name: str) -> S3Endpoint:
-        if name not in self._endpoints:
-            if name == "moto":
-                logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
-                server = MotoServer()
-            elif name == "seaweedfs":
-                server = SeaweedServer(str(self._tmp.mktemp("seaweedfs")))
-            else:
-                raise ValueError(f"unknown S3 test server {name!r}; choose one of {', '.join(S3_BACKENDS)}")
-            self._endpoints[name] = server.start()
-            self._running[name] = server
-        return self._endpoints[name]
-
-    def stop(self) -> None:
-        for server in self._running.values():
-            server.stop()
-        self._running.clear()
-        self._endpoints.clear()
-
-
-@pytest.fixture(scope="session")
-def s3_servers(tmp_path_factory) -> S3Servers:
-    servers = S3Servers(tmp_path_factory)
-    try:
-        yield servers
-    finally:
-        servers.stop()
+    from s3_servers import S3_BACKENDS, S3Endpoint, make_s3_store
 
 
 @pytest.fixture

@@ -30,6 +30,8 @@ import struct
 import threading
 import urllib.parse
 
+from tests.process_guard import started
+
 FAULTS = ("slowdown", "drop_before", "drop_after", "truncate", "delay", "error")
 
 _SLOWDOWN_BODY = (
@@ -105,6 +107,7 @@ class FaultProxy:
     # -- control ---------------------------------------------------------------
 
     def start(self) -> FaultProxy:
+        started("s3server", "the S3 fault proxy")
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
         self._thread.start()
         return self

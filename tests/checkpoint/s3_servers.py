@@ -18,28 +18,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
-from tests.ports import free_port, free_ports
+from tests.ports import free_ports
+from tests.process_guard import started
+from tests.waiting import wait_until
 
 MiB = 1 << 20
-
-
-def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``condition`` until it is true; raise naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except Exception as exc:  # the server is still starting: keep polling
-            last_exc = exc
-        time.sleep(interval)
-    raise TimeoutError(f"{what} did not happen within {timeout} s (last error: {last_exc!r})")
 
 
 @dataclasses.dataclass
@@ -119,13 +105,20 @@ class S3Endpoint:
 
 
 class MotoServer:
-    """``moto.server.ThreadedMotoServer`` on a free port of 127.0.0.1 (in-process, fast)."""
+    """``moto.server.ThreadedMotoServer`` on 127.0.0.1 (in-process, fast), on the port it binds itself."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = free_port()
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        # Port 0: the server binds a free port and reports it; nothing can take it between a pick and the bind.
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.port: int | None = None
+        self.endpoint: S3Endpoint | None = None
+
+    def start(self) -> S3Endpoint:
+        started("s3server", "the moto S3 server")
+        self._server.start()
+        self.port = self._server.get_host_and_port()[1]
         self.endpoint = S3Endpoint(
             name="moto",
             endpoint_url=f"http://127.0.0.1:{self.port}",
@@ -133,12 +126,8 @@ class MotoServer:
             secret_key="testing",
             bucket="elastic-ft-test",
         )
-
-    def start(self) -> S3Endpoint:
-        self._server.start()
-        wait_until(
-            lambda: self.endpoint.client().list_buckets() is not None, timeout=30, what="moto server answering"
-        )
+        wait_until(lambda: self.endpoint.client().list_buckets() is not None, timeout=30,
+                   what="moto server answering", interval=0.05, retry_on=(Exception,))
         self.endpoint.ensure_bucket()
         self.endpoint.prove_conditional_put()
         return self.endpoint
@@ -189,22 +178,30 @@ class SeaweedServer:
         self.workdir = workdir
         self.data_dir = os.path.join(workdir, "data")
         self.log_path = os.path.join(workdir, "weed.log")
-        # SeaweedFS derives some gRPC addresses as "HTTP port + 10000" even when
-        # the gRPC port is given explicitly, so both must be ours; all five pairs
-        # are chosen at once so that no two of them collide.
-        self.s3_port, *others = free_ports(5, offset=10000)
         self.endpoint = S3Endpoint(
             name="seaweedfs",
-            endpoint_url=f"http://127.0.0.1:{self.s3_port}",
+            endpoint_url="",
             access_key="elasticft-test-key",
             secret_key="elasticft-test-secret-" + uuid.uuid4().hex[:8],
             bucket="elastic-ft-test",
         )
-        # Fixed for the server's life, so a restart on the same data dir (after
-        # kill -9) comes back on the same addresses its metadata remembers.
-        self.ports = dict(zip(("master", "volume", "filer", "admin"), others))
+        self._pick_ports()
         self._proc: subprocess.Popen | None = None
         self._log = None
+
+    def _pick_ports(self) -> None:
+        """Free ports for every listener. ``weed`` must be told them all (it cannot bind 0 and report):
+        a port taken between this pick and its bind costs a retry of the first start (see ``start``).
+
+        SeaweedFS derives some gRPC addresses as "HTTP port + 10000" even when the gRPC port is given
+        explicitly, so both must be ours; all five pairs are chosen at once so that no two collide.
+        They stay fixed for the server's life, so a restart on the same data dir (after kill -9)
+        comes back on the same addresses its metadata remembers.
+        """
+        self.s3_port, *others = free_ports(5, offset=10000)
+        self.endpoint.endpoint_url = f"http://127.0.0.1:{self.s3_port}"
+        self.endpoint._default_client = None  # a client of the old address
+        self.ports = dict(zip(("master", "volume", "filer", "admin"), others))
 
     def command(self) -> list[str]:
         """The ``weed mini`` command line (also printed in failure messages)."""
@@ -246,6 +243,28 @@ class SeaweedServer:
         ]
 
     def start(self) -> S3Endpoint:
+        """Start ``weed mini`` (again after :meth:`kill`: same ports, same data). A first start whose
+        ports were taken meanwhile (weed exits naming the port) is retried on new ports."""
+        first = not os.path.exists(self.data_dir)
+        for attempt in range(3):
+            try:
+                return self._start()
+            except RuntimeError:
+                tail = self._log_tail()
+                taken = "address already in use" in tail or "is not available on 127.0.0.1" in tail
+                if not first or attempt == 2 or not taken:
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _log_tail(self) -> str:
+        if not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-5000:]
+
+    def _start(self) -> S3Endpoint:
         os.makedirs(self.data_dir, exist_ok=True)
         cmd = self.command()
         self._log = open(self.log_path, "ab")
@@ -253,17 +272,18 @@ class SeaweedServer:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir, preexec_fn=_die_with_parent
         )
 
-        def ready() -> bool:
+        def running() -> None:
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"weed mini exited with {self._proc.returncode} while starting; "
                     f"command: {' '.join(cmd)}; log: {self.log_path}"
                 )
-            self.endpoint.client().head_bucket(Bucket=self.endpoint.bucket)
-            return True
 
         try:
-            wait_until(ready, timeout=60, what=f"SeaweedFS S3 on port {self.s3_port} serving the test bucket")
+            # Any error of the S3 client means "not serving yet" while the process lives.
+            wait_until(lambda: self.endpoint.client().head_bucket(Bucket=self.endpoint.bucket), timeout=60,
+                       what=f"SeaweedFS S3 on port {self.s3_port} serving the test bucket", interval=0.05,
+                       check=running, retry_on=(Exception,))
             self.endpoint.prove_conditional_put()
         except BaseException:
             self.stop()

@@ -29,13 +29,14 @@ from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import ObjectStore, StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, new_nonce, snapshot
 from tests.conftest import cli, explain, process_env
+from tests.waiting import wait_until
 
 from elastic_ft.checkpoint.s3 import S3Store
 
 try:
-    from .s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store, wait_until
+    from .s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store
 except ImportError:
-    from s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store, wait_until
+    from s3_servers import FAST_S3_OPTIONS, S3_BACKENDS, make_s3_store
 
 RUN = "faulty"
 
@@ -308,6 +309,7 @@ for step in (1, 2):
 """
 
 
+@pytest.mark.subprocess
 def test_writer_killed_mid_upload_resume_from_previous_and_gc_removes_orphans(seaweed):
     p = seaweed
     # Checkpoint 2's optimizer blob is held in the proxy: the process is
@@ -355,6 +357,7 @@ def test_writer_killed_mid_upload_resume_from_previous_and_gc_removes_orphans(se
     assert assert_committed_blobs_intact(p.direct) == [1]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("blob", ["optimizer", "model"])
 def test_blob_altered_after_commit_verify_names_it_and_load_falls_back(seaweed, blob):
     # The 16 KiB optimizer blob has a plain sha256; the 6 MiB model blob a

@@ -109,6 +109,7 @@ def test_blobs_put_from_several_threads_keep_the_newest_steps(tmp_path):
         assert sorted(os.listdir(cache_dir / "blobs" / "000000000004-n")) == sorted(names), attempt
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_a_resumed_run_loads_from_the_node_cache_and_never_trusts_a_bad_copy(tmp_path):
     root, cache = str(tmp_path / "runs"), str(tmp_path / "cache")
     args = ["checkpoint.every_steps=2", "checkpoint.keep_last=null", f"checkpoint.local_cache_dir={cache}"]

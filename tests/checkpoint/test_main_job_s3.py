@@ -17,7 +17,7 @@ from elastic_ft.runevents.ledger import check_exactly_once, replay
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 STEPS = 24
 RUN = "s3main"

@@ -8,10 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from elastic_ft.checkpoint.manifest import step_of_key
 from elastic_ft.checkpoint.reader import list_manifests
 from elastic_ft.checkpoint.local import LocalStore
 from tests.conftest import REPO, process_env
+
+pytestmark = pytest.mark.torchrun  # two rank processes in one gloo group
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "saver_ranks.py")
 

@@ -233,6 +233,7 @@ def _check_full(store, out) -> dict:
     return expected
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_sharded_fsdp_saved_at_2_loads_at_3_and_1(tmp_path):
     out, root = tmp_path / "out", tmp_path / "store"
@@ -266,6 +267,7 @@ def test_sharded_fsdp_saved_at_2_loads_at_3_and_1(tmp_path):
         assert all(torch.equal(loaded[k], expected[k]) for k in expected), f"world {world} loaded other values"
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_sharded_fsdp_save_and_load_on_s3(tmp_path, s3_env, s3_servers):
     endpoint = s3_servers.get("seaweedfs")

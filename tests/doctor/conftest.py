@@ -1,4 +1,5 @@
-"""Fixtures of the doctor tests: a real etcd (plain, and TLS with auth), S3 servers, a local IMDS.
+"""Fixtures of the doctor tests (the real etcd and S3 servers are the session's, tests/servers.py): a local IMDS,
+an S3 stub.
 
 Everything listens on 127.0.0.1. The S3 "ignorer" is a stub that answers every
 PUT 200, as an S3-compatible server without conditional writes does; its
@@ -17,8 +18,6 @@ import time
 
 import pytest
 
-from tests.checkpoint.s3_servers import MotoServer, S3Endpoint, SeaweedServer
-from tests.rendezvous.etcd_server import ROOT_PASSWORD, EtcdServer, make_tls_files
 from tests.spot.imds_server import FakeImds
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian etcd-server)")
@@ -29,46 +28,6 @@ _ids = itertools.count()
 @pytest.fixture
 def run_id() -> str:
     return f"doctor-{os.getpid()}-{next(_ids)}"
-
-
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian etcd-server)")
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def tls_files(tmp_path_factory):
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="session")
-def etcd_tls(tmp_path_factory, tls_files):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian etcd-server)")
-    server = EtcdServer(tmp_path_factory.mktemp("etcd-tls") / "data", tls=tls_files).start()
-    server.enable_auth(ROOT_PASSWORD)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def moto() -> S3Endpoint:
-    server = MotoServer()
-    endpoint = server.start()  # proves that a second IfNoneMatch='*' put answers 412
-    yield endpoint
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory) -> S3Endpoint:
-    server = SeaweedServer(str(tmp_path_factory.mktemp("seaweedfs")))
-    endpoint = server.start()  # proves conditional puts too
-    yield endpoint
-    server.stop()
 
 
 class IgnoringS3:

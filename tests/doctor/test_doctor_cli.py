@@ -6,9 +6,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from tests.conftest import REPO, process_env
 from tests.ports import free_port
+
+pytestmark = pytest.mark.subprocess  # `elastic-ft doctor` as a user runs it
 
 
 def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -24,6 +24,7 @@ def test_s3_endpoint_ignoring_conditional_writes_fails_and_cleans_up(s3_env, ign
     assert "/bucket/runs/r1/.doctor/" in ignoring_s3.puts[0][0]
 
 
+@pytest.mark.s3server  # the server fixture is asked for by name
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
 def test_real_s3_honouring_if_none_match_passes_and_leaves_nothing(s3_env, server, request):
     s3 = request.getfixturevalue(server)

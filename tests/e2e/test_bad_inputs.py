@@ -84,6 +84,7 @@ def test_foreign_manifest_is_an_error_not_a_fallback(guarded, capsys, field, val
     os.unlink(foreign)  # the guard checks that everything committed before is untouched
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_global_batch_smaller_than_world(guarded):
     proc = torchrun(2, ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{guarded}",
@@ -180,6 +181,7 @@ def test_spec_name_that_cannot_be_a_run_id(tmp_path, monkeypatch, capsys, name):
     assert _files_under(tmp_path) == []
 
 
+@pytest.mark.torchrun
 def test_run_id_outside_checkpoint_uri_is_refused_by_the_torchx_component(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -199,6 +201,7 @@ def test_run_id_outside_checkpoint_uri_is_refused_by_the_torchx_component(tmp_pa
     ("--keep-every", "0", "argument --keep-every: must be in [1, 1000000000], got '0'"),
     ("--grace", "-100", "argument --grace: must be in [0.0, 100000000.0], got '-100'"),
 ])
+@pytest.mark.subprocess
 def test_gc_refuses_retention_values_out_of_range(guarded, flag, value, expected):
     # 'ckpt gc --keep-last -5' deleted two of the three good checkpoints; the guard proves nothing changed.
     proc = cli("ckpt", "gc", f"file://{guarded}/run", flag, value)

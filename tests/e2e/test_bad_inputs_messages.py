@@ -176,6 +176,7 @@ def test_target_module_that_matches_nothing_names_the_modules(tmp_path, capsys):
     assert not os.path.exists(os.path.join(tmp_path, "run", "manifests")), "a run started anyway"
 
 
+@pytest.mark.torchrun
 def test_torchx_component_argument_error_has_no_traceback():
     proc = run([os.path.join(BIN, "torchx"), "run", "--dryrun", "-s", "local_cwd", "elastic_ft.train",
                 "--nnodes", "3:2"], timeout=120)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, explain, run
 
-pytestmark = pytest.mark.slow  # two spawned ranks, three loops
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # two spawned ranks, three loops
 
 
 def bench(name: str, *args: str):

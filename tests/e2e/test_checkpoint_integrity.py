@@ -64,6 +64,7 @@ class WritableLocalStore(LocalStore):
 
 
 @pytest.mark.parametrize("store_class", [LocalStore, WritableLocalStore], ids=["bytes", "writable"])
+@pytest.mark.subprocess
 def test_blob_with_corrupt_header_but_matching_digest_is_corrupt_and_skipped(tmp_path, monkeypatch, store_class):
     # A writer bug: the header's shape does not match the data. The manifest's digest is
     # computed over those very bytes, so only the header check can tell.
@@ -100,6 +101,7 @@ def test_blob_with_corrupt_header_but_matching_digest_is_corrupt_and_skipped(tmp
     assert "model" in verify.stderr and "needs 36" in verify.stderr, explain(verify)
 
 
+@pytest.mark.subprocess
 def test_altered_blob_is_named_by_verify_and_skipped_on_resume(run_copy):
     path = newest_blob_path(run_copy, "run", "model")
     with open(path, "r+b") as f:
@@ -165,6 +167,7 @@ def one_error_line(text: str) -> str:
     return lines[0]
 
 
+@pytest.mark.subprocess
 def test_torn_manifest_is_quarantined_and_resume_falls_back(run_copy, capsys):
     # A filesystem without atomic rename (or a truncated object) can leave a torn manifest under its real name.
     path = manifest_path(run_copy, 6)
@@ -190,6 +193,7 @@ def test_torn_manifest_is_quarantined_and_resume_falls_back(run_copy, capsys):
     assert verify.returncode == 0, explain(verify)
 
 
+@pytest.mark.subprocess
 def test_deeply_nested_manifest_is_named_not_a_traceback(run_copy, tmp_path):
     path = manifest_path(run_copy, 6)
     with open(path, "wb") as f:
@@ -215,6 +219,7 @@ def test_deeply_nested_manifest_is_named_not_a_traceback(run_copy, tmp_path):
     assert [q[:12] for q in quarantine(run_copy)] == ["000000000006"]
 
 
+@pytest.mark.subprocess
 def test_unreadable_blob_stops_resume_and_retires_nothing(run_copy, capsys):
     # A real fault that proves nothing about the checkpoint: its blob cannot be read
     # (a directory where the file should be; EISDIR stands in for EIO, ENOMEM, ...).
@@ -252,6 +257,7 @@ def test_fields_that_keep_tensor_shapes_still_resume(run_copy):
     assert plan["step"] == 6 and plan["config_changed"] and plan["skipped"] == []
 
 
+@pytest.mark.torchrun
 def test_a_rank_that_cannot_load_stops_every_rank_with_the_reason(run_copy):
     # Rank 1's read of the chosen checkpoint fails (after the leader verified it):
     # one collective tells every rank, and all stop naming rank 1 and why.

@@ -39,7 +39,7 @@ from elastic_ft.export import export
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from tests.conftest import REPO, explain, process_env, torchrun
 
-pytestmark = pytest.mark.slow  # four torchrun jobs
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # four torchrun jobs
 
 FSDP_SPEC = os.path.join(REPO, "specs", "tiny-full-fsdp.yaml")
 STEPS = 8

@@ -17,7 +17,7 @@ from elastic_ft.filemode import default_file_mode
 from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import BIN, REPO, cli, explain, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ def test_missing_field_names_the_columns(tmp_path):
         data_mod.load(DataConfig(files=[path], max_length=16), byte_tokenizer())
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_full_fine_tune_exports_a_whole_model_that_a_local_dir_spec_can_train(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -118,6 +119,7 @@ def test_json_lines_are_read_without_datasets_and_give_what_datasets_gives(tmp_p
     assert len(ours) == 6
 
 
+@pytest.mark.subprocess
 def test_the_default_specs_data_loads_without_importing_datasets():
     import subprocess
     import sys

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_blobs, read_manifest
@@ -67,6 +68,7 @@ def test_nan_losses_in_a_row_stop_the_run(run_root, monkeypatch, capsys):
     assert sorted(committed(run_root, "r")) == [2]
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_nan_weights_are_never_checkpointed(run_root, monkeypatch, capsys):
     # The guard's limit is high, so it is the refused checkpoint that stops the run.
     monkeypatch.setenv("ELASTIC_FT_FAULTS", "nan_weight:step=3")
@@ -82,6 +84,7 @@ def test_nan_weights_are_never_checkpointed(run_root, monkeypatch, capsys):
     assert not [o for o in LocalStore(os.path.join(run_root, "r")).list("blobs/000000000004-")]
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
     # A real filesystem fault: a file where the blob directory must go fails every blob write.
     os.makedirs(os.path.join(run_root, "r"))
@@ -99,6 +102,7 @@ def test_saves_failing_in_a_row_stop_the_run(run_root, capsys):
     assert list_manifests(LocalStore(os.path.join(run_root, "r"))) == []
 
 
+@pytest.mark.torchrun
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(run_root):
     # Only rank 1's loss is NaN; the gradient norm after DDP's all-reduce is NaN on
     # both ranks, so both skip the update (a rank that stepped alone would leave

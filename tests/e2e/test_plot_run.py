@@ -12,7 +12,7 @@ from elastic_ft.viz.figure import draw
 from elastic_ft.viz.series import run_series
 from tests.conftest import cli, explain, png_size
 
-pytestmark = pytest.mark.slow  # the fixture's two torchrun attempts (~25 s, once per session)
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]  # the fixture's two torchrun attempts (~25 s, once per session)
 
 
 def kept_steps(events: list[dict]) -> dict[int, dict]:

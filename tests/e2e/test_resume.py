@@ -14,7 +14,7 @@ from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 STEPS = 24
 COMMON = [f"steps={STEPS}", "checkpoint.every_steps=4", "logging.ledger=true", "logging.every_steps=4",

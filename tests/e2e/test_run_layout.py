@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from elastic_ft import worker
 from elastic_ft.runevents.events import read_events
 from tests.conftest import DEFAULT_SPEC, cli, explain
+
+pytestmark = pytest.mark.subprocess  # `elastic-ft goodput`
 
 
 def test_events_live_in_the_run_directory_of_an_absolute_checkpoint_uri(tmp_path, monkeypatch):

@@ -22,11 +22,13 @@ def _hadolint(path) -> subprocess.CompletedProcess:
     return subprocess.run([tool("hadolint"), "--no-color", str(path)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.infra
 def test_dockerfile_passes_hadolint():
     result = _hadolint(REPO / "Dockerfile")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.infra
 def test_hadolint_reports_a_bad_dockerfile(tmp_path):
     bad = tmp_path / "Dockerfile"
     bad.write_text(DOCKERFILE.replace("USER ${UID}:${UID}", "USER root\nRUN apt-get install curl"))
@@ -67,6 +69,7 @@ def test_context_check_catches_an_ignored_or_missing_source():
     assert any("tests: excluded" in p for p in problems) and any("nowhere: no such path" in p for p in problems)
 
 
+@pytest.mark.infra
 def test_entrypoint_passes_shellcheck():
     result = subprocess.run([tool("shellcheck"), str(ENTRYPOINT)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -78,6 +81,7 @@ def _entrypoint(tmp_path, *command: str, **env: str) -> subprocess.CompletedProc
                           timeout=60)
 
 
+@pytest.mark.infra
 def test_entrypoint_writes_the_etcd_ca_for_this_user_only_and_runs_the_command(tmp_path):
     pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----"
     result = _entrypoint(tmp_path, "sh", "-c", 'cat "$ELASTIC_FT_ETCD_DIR/ca.pem"; umask',
@@ -89,17 +93,20 @@ def test_entrypoint_writes_the_etcd_ca_for_this_user_only_and_runs_the_command(t
     assert result.stdout.splitlines()[-1] != "0077"
 
 
+@pytest.mark.infra
 def test_entrypoint_defaults_to_the_home_directory_and_passes_the_exit_status(tmp_path):
     result = _entrypoint(tmp_path, "sh", "-c", "exit 75", ELASTIC_FT_ETCD_CA_PEM="x")
     assert result.returncode == 75
     assert (tmp_path / "home" / ".etcd" / "ca.pem").read_text() == "x\n"
 
 
+@pytest.mark.infra
 def test_entrypoint_without_the_ca_writes_nothing(tmp_path):
     result = _entrypoint(tmp_path, "true")
     assert result.returncode == 0 and not (tmp_path / "home").exists()
 
 
+@pytest.mark.infra
 def test_entrypoint_without_a_command_says_so(tmp_path):
     result = _entrypoint(tmp_path)
     assert result.returncode == 2 and "no command given" in result.stderr

@@ -15,12 +15,14 @@ import cfn_checks as checks
 from conftest import AWS, TEMPLATES, load_template, tool
 
 
+@pytest.mark.infra
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_template_passes_cfn_lint(name):
     result = subprocess.run([tool("cfn-lint"), str(AWS / f"{name}.yaml")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.infra
 def test_cfn_lint_reports_a_broken_template(tmp_path):
     text = (AWS / "batch.yaml").read_text().replace("AllocationStrategy: SPOT_PRICE_CAPACITY_OPTIMIZED",
                                                     "AllocationStrategy: CHEAPEST_PLEASE")
@@ -157,6 +159,7 @@ def test_etcd_user_data_holds_no_secret_and_reads_them_from_the_secret_store():
     assert "--new-user-password" not in text and ":$" not in text.split("user add")[-1].split("\n")[0]
 
 
+@pytest.mark.infra
 def test_etcd_user_data_passes_shellcheck(tmp_path):
     # ${Name} are CloudFormation's substitutions: stand-ins make it plain bash.
     script = re.sub(r"\$\{([A-Za-z0-9:]+)\}", lambda m: "CFN_" + m.group(1).replace(":", "_"), _user_data())

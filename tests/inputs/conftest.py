@@ -11,7 +11,7 @@ import pytest
 from elastic_ft.checkpoint.s3.options import S3Options
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.inputs.settings import InputsConfig
-from tests.checkpoint.conftest import fault_proxy, s3_env, s3_servers  # noqa: F401 (fixtures, reused)
+from tests.checkpoint.conftest import fault_proxy, s3_env  # noqa: F401 (fixtures, reused)
 from tests.checkpoint.s3_servers import S3_BACKENDS, S3Endpoint
 
 # Quick retries: a test that fails should not wait out AWS-sized backoffs.

@@ -11,21 +11,18 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 from elastic_ft.checkpoint.s3.options import S3Options
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.inputs.settings import InputsConfig
+from tests.waiting import wait_until
 
 
 def main(cache: str, uri: str, ready: str, go: str) -> None:
     source = InputSource(InputsConfig(cache_dir=cache), S3Options(max_attempts=3, backoff_initial=0.01))
     open(ready, "w").close()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(go):  # the parent creates it once every child is waiting
-        if time.monotonic() > deadline:
-            raise SystemExit("the go file never appeared")
-        time.sleep(0.005)
+    # The parent creates it once every child is waiting.
+    wait_until(lambda: os.path.exists(go), timeout=60, what=f"the go file {go}", interval=0.005)
     with source:
         path = source.file(uri, "data.files[0]")
         fetched = source.fetched[uri]

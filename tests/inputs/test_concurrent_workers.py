@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from tests.checkpoint.s3_servers import wait_until
 from tests.conftest import REPO, process_env
+from tests.waiting import wait_until
 
 MiB = 1 << 20
 

@@ -13,11 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import psutil
+
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 GLOO_JOB = Path(__file__).with_name("gloo_job.py")
@@ -186,22 +187,18 @@ def wait_for(
     agents: list[Agent] = (),  # type: ignore[assignment]
     poll: float = 0.2,
 ) -> object:
-    """Poll ``condition`` until truthy; fail early if an agent exits, or at ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
+    """:func:`tests.waiting.wait_until` that fails as soon as one of ``agents`` exits, with the agents' log tails."""
+
+    def running() -> None:
         for agent in agents:
             if agent.poll() is not None:
                 raise AssertionError(
                     f"agent {agent.pid} exited with {agent.poll()} while waiting for {what}; "
                     f"log tail:\n{agent.tail()}"
                 )
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- agent {a.pid}\n{a.tail(2000)}" for a in agents)
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tails}")
-        time.sleep(poll)
+
+    return wait_until(condition, timeout=timeout, what=what, interval=poll, check=running,
+                      on_timeout=lambda: "\n".join(f"--- agent {a.pid}\n{a.tail(2000)}" for a in agents))
 
 
 def rendezvous_state_of(backend):  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
-"""Fixtures of the rendezvous tests: real etcd processes on free 127.0.0.1 ports.
+"""Fixtures of the rendezvous tests: real etcd processes on 127.0.0.1.
 
-``etcd`` is one member shared by the session (tests use unique run ids);
-``etcd_private`` is a member of a test's own, for tests that restart or stop it;
-``etcd_tls`` serves TLS with client certificates and has auth enabled.
+``etcd`` (one member shared by the session: tests use unique run ids) and ``etcd_tls`` (TLS with
+client certificates, auth enabled) come from tests/servers.py; ``etcd_private`` is a member of a
+test's own, for tests that restart or stop it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from etcd_server import ROOT_PASSWORD, EtcdServer, TlsFiles, make_tls_files  # noqa: E402
+from etcd_server import EtcdServer  # noqa: E402
 
 if shutil.which("etcd") is None:
     pytest.skip(
@@ -27,29 +27,9 @@ if shutil.which("etcd") is None:
     )
 
 
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def etcd_private(tmp_path: Path) -> EtcdServer:
     server = EtcdServer(tmp_path / "etcd-data").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_tls_files(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="session")
-def etcd_tls(tmp_path_factory: pytest.TempPathFactory, tls_files: TlsFiles) -> EtcdServer:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd-tls") / "data", tls=tls_files).start()
-    server.enable_auth(ROOT_PASSWORD)
     yield server
     server.stop()
 

@@ -14,11 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_port, free_ports  # noqa: F401  (free_port: for the tests)
+from tests.waiting import wait_until
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -145,6 +145,27 @@ class EtcdServer:
         return "https" if self.tls else "http"
 
     def start(self, timeout: float = 30.0) -> "EtcdServer":
+        """Start the member (again, after :meth:`stop` or :meth:`kill`: same ports, same data).
+
+        etcd must be told its ports, so they are picked free just before: another process may bind
+        one in between. A first start that fails to bind is retried on new ports (up to three
+        times); a restart keeps its ports, which the member's data and its clients remember.
+        """
+        first = not self.data_dir.exists()
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                if not first or attempt == 2 or "address already in use" not in self._log_tail():
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.client_port, self.peer_port = free_ports(2)
+        raise AssertionError("unreachable")
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+    def _start(self, timeout: float) -> "EtcdServer":
         url = f"{self.scheme}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
@@ -194,23 +215,15 @@ class EtcdServer:
         )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        def running() -> None:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
-                    f"etcd exited with {self.process.returncode} at start; see {self.log_path}:\n"
-                    + self.log_path.read_text()[-3000:]
+                    f"etcd exited with {self.process.returncode} at start; see {self.log_path}:\n" + self._log_tail()
                 )
-            # A plain read needs a leader, unlike "endpoint health" with auth on.
-            result = self.etcdctl("get", "/health-probe", check=False)
-            if result.returncode == 0:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd at {self.endpoint} did not become healthy within {timeout} s: "
-                    f"{result.stderr.strip()}"
-                )
-            time.sleep(0.1)  # polling a condition with a deadline
+
+        # A plain read needs a leader, unlike "endpoint health" with auth on.
+        wait_until(lambda: self.etcdctl("get", "/health-probe", check=False).returncode == 0, timeout=timeout,
+                   what=f"etcd at {self.endpoint} to serve reads", check=running)
 
     def enable_auth(self, password: str) -> None:
         """Create user root with ``password`` and turn authentication on."""

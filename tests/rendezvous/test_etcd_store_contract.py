@@ -74,18 +74,23 @@ BARE = {"etcd": _etcd, "tcp": _tcp, "hash": _hash}
 KINDS = [*BARE, *(f"{name}-prefixed" for name in BARE)]
 
 
+def _params(kinds: list[str]) -> list:
+    """``kinds`` as fixture params, those on the real etcd marked so (it is asked for by name)."""
+    return [pytest.param(k, marks=pytest.mark.etcd) if k.startswith("etcd") else k for k in kinds]
+
+
 def _build(request: pytest.FixtureRequest, kind: str) -> Stores:
     name, _, prefixed = kind.partition("-")
     bare = BARE[name](request)
     return _prefixed(bare) if prefixed else bare
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=_params(KINDS))
 def s(request: pytest.FixtureRequest) -> Stores:
     return _build(request, request.param)
 
 
-@pytest.fixture(params=list(BARE))
+@pytest.fixture(params=_params(list(BARE)))
 def bare(request: pytest.FixtureRequest) -> Stores:
     return _build(request, request.param)
 

@@ -24,6 +24,7 @@ from elastic_ft.rendezvous import state_codec
 from elastic_ft.rendezvous.state_codec import KEY_ENV, StateCodec, StateSecret
 
 JOB_KEY = StateSecret("the job's rendezvous key, 32 chars", KEY_ENV)
+from tests.waiting import wait_until
 
 
 def make_backend(
@@ -38,18 +39,6 @@ def make_backend(
 def raw_client(endpoint: str, run_id: str) -> EtcdClient:
     """A client of our own, to read and damage the stored value as another program would."""
     return EtcdClient(parse_options(endpoint, {}).connection, name=run_id + "-raw")
-
-
-def wait_until(condition, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    """Poll ``condition`` until it returns a truthy value or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_get_state_is_none_before_first_write(etcd, run_id):
@@ -135,7 +124,7 @@ def test_runs_do_not_share_state(etcd, run_id):
 def test_state_expires_after_lease_ttl_without_writes(etcd, run_id):
     backend = make_backend(etcd.endpoint, run_id, lease_ttl="2")
     backend.set_state(b"abandoned")
-    wait_until(lambda: backend.get_state() is None, 30, "the abandoned state to expire")
+    wait_until(lambda: backend.get_state() is None, timeout=30, what="the abandoned state to expire")
 
 
 def test_writes_keep_the_state_alive(etcd, run_id):
@@ -156,7 +145,7 @@ def test_state_written_after_lease_expired_gets_a_new_lease(etcd, run_id):
     backend = make_backend(etcd.endpoint, run_id, lease_ttl="2")
     backend.set_state(b"v1")
     old_lease = backend._client.lease_id
-    wait_until(lambda: backend.get_state() is None, 30, "the state to expire")
+    wait_until(lambda: backend.get_state() is None, timeout=30, what="the state to expire")
     # The old lease is gone; the next write must still succeed.
     state, _, written = backend.set_state(b"v2")
     assert (state, written) == (b"v2", True)

@@ -24,7 +24,7 @@ from test_rdzv_multinode import assert_ran_every_step
 
 from elastic_ft.rendezvous.handler import create_handler
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 # The outage of the issue was three times the client's default 30 s retry_timeout (90 s);
 # the agents here give up on etcd after 5 s, so the same ratio takes 15 s. What the

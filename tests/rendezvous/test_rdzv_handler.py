@@ -8,6 +8,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from importlib.metadata import entry_points
 
@@ -170,15 +171,33 @@ def test_entry_point_is_registered_for_torchrun():
     assert callable(etcd3_handler())
 
 
+FIRST_IMPORT = "test_etcd3_is_registered_whichever_of_our_modules_imports_torchs_rendezvous_first"
+
+
+@pytest.fixture(scope="module")
+def first_imports(request):
+    """A fresh interpreter per module that imports it first, three at a time, all started with the first
+    case: each is mostly torch's import, so the cases' interpreters overlap instead of queueing."""
+
+    def first_import(module: str) -> subprocess.CompletedProcess:
+        code = (f"import elastic_ft.rendezvous.{module}\n"
+                "from torch.distributed.elastic.rendezvous import registry\n"
+                "print('etcd3' in registry.handler_registry._registry)")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    selected = [item.callspec.params["module"] for item in request.session.items
+                if getattr(item, "originalname", None) == FIRST_IMPORT]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        yield {module: pool.submit(first_import, module) for module in selected}
+
+
 @pytest.mark.parametrize("module", sorted(
     m.name for m in pkgutil.iter_modules(elastic_ft.rendezvous.__path__) if m.name != "entry"))
-def test_etcd3_is_registered_whichever_of_our_modules_imports_torchs_rendezvous_first(module):
+@pytest.mark.subprocess
+def test_etcd3_is_registered_whichever_of_our_modules_imports_torchs_rendezvous_first(module, first_imports):
     # torch loads the entry points while its rendezvous package initialises; an entry point that imported
     # our modules found the one being imported half-initialised, and torch dropped etcd3 with a warning.
-    code = (f"import elastic_ft.rendezvous.{module}\n"
-            "from torch.distributed.elastic.rendezvous import registry\n"
-            "print('etcd3' in registry.handler_registry._registry)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = first_imports[module].result()
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr
 
 
@@ -327,6 +346,7 @@ def etcd_auth_plain(tmp_path_factory: pytest.TempPathFactory) -> EtcdServer:
         server.stop()
 
 
+@pytest.mark.etcd  # its own etcd with auth (etcd_auth_plain)
 def test_auth_without_tls_needs_insecure_auth_on_a_real_server(etcd_auth_plain, run_id, root_password):
     conf = dict(user="root", password_env=root_password)
     with pytest.raises(ValueError, match="without TLS .* give ca_cert .* insecure_auth=true"):

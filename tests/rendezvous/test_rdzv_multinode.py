@@ -25,7 +25,7 @@ from agents import (
 )
 from etcd_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 
 def first_world(workers: list[dict], size: int) -> list[dict]:

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from agents import read_jsonl, rendezvous_state_of, stop_leftovers, torchrun_agent, wait_for
 from elastic_ft.rendezvous.handler import create_handler
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 
 def step_counts(out: Path) -> dict[int, int]:

@@ -17,7 +17,7 @@ import pytest
 
 from agents import Agent, read_jsonl, split_at_rank, stop_leftovers, torchrun_agent, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 # Far above every deadline below: only the agents' keep-alive check can end the waits in time.
 PG_TIMEOUT = ("--pg-timeout", "600")

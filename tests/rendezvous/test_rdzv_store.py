@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -21,6 +20,7 @@ from torch.distributed.elastic.utils.store import barrier
 from elastic_ft.rendezvous.etcd import EtcdClient
 from elastic_ft.rendezvous.options import parse_options
 from elastic_ft.rendezvous.store import EtcdStore
+from tests.waiting import wait_until
 
 from threads import run_in_threads
 
@@ -175,10 +175,7 @@ def test_keys_live_under_the_run_prefix(etcd, run_id):
 def test_store_keys_expire_with_the_lease(etcd, run_id):
     store = make_store(etcd.endpoint, run_id, lease_ttl="2")
     store.set("k", "v")
-    deadline = time.monotonic() + 30
-    while store.check(["k"]):
-        assert time.monotonic() < deadline, "the store key did not expire"
-        time.sleep(0.1)
+    wait_until(lambda: not store.check(["k"]), timeout=30, what="the store key to expire with its lease")
 
 
 def test_works_through_torch_prefix_store(etcd, run_id):

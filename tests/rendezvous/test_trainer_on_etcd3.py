@@ -17,7 +17,7 @@ from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, lose_node, stop_leftovers, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 STEPS = 60
 

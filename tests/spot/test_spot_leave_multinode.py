@@ -34,11 +34,12 @@ from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
 from tests.rendezvous.etcd_server import EtcdServer
-from tests.servers import etcd, seaweed  # noqa: F401  (fixtures)
 from tests.spot.imds_server import FakeImds
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torchrun,
+    pytest.mark.etcd,
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/setup.sh --test)"),
 ]
 

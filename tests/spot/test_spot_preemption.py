@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,8 +25,9 @@ from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
 from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE
 from tests.conftest import DEFAULT_SPEC, REPO, explain, process_env
+from tests.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 STEPS = 300
 WAIT_S = 240.0  # generous bounds: CI's 2 cores are loaded
@@ -64,17 +64,17 @@ def events_of(root: str, run_id: str) -> list[dict]:
 
 def wait_for_event(proc: subprocess.Popen, root: str, run_id: str, what: str, match) -> dict:
     """The first event ``match`` accepts, once the job has written it (fails if the job ends first)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        found = [e for e in events_of(root, run_id) if match(e)]
-        if found:
-            return found[0]
+
+    def running() -> None:
         if proc.poll() is not None:
             raise AssertionError(f"the job ended before {what}\n{explain(finish(proc))}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"no {what} within {WAIT_S:g} s\n{explain(finish(proc))}")
-        time.sleep(0.05)
+
+    def stop_it() -> str:
+        proc.kill()
+        return explain(finish(proc))
+
+    return wait_until(lambda: next((e for e in events_of(root, run_id) if match(e)), None), timeout=WAIT_S,
+                      what=what, interval=0.05, check=running, on_timeout=stop_it)
 
 
 def wait_for_step(proc: subprocess.Popen, root: str, run_id: str, step: int) -> None:

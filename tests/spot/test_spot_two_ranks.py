@@ -17,6 +17,8 @@ import pytest
 from elastic_ft.spot.watcher import SIGTERM_EXIT_CODE
 from tests.ports import free_port
 
+pytestmark = pytest.mark.torchrun  # two rank processes in one gloo group
+
 HOLD_S = 120
 WAIT_S = 60  # generous, and well below HOLD_S: CI's cores are loaded
 

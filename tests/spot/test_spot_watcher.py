@@ -17,16 +17,11 @@ from elastic_ft.spot.watcher import (
     LEVEL_LEAVE, LEVEL_NONE, LEVEL_REBALANCE, Notice, NoticeBoard, Watcher, install_sigterm,
 )
 from tests.ports import free_port
+from tests.waiting import wait_until
 
 WHEN = "2026-12-01T04:10:00Z"
 WAIT_S = 30.0  # generous: CI's cores are loaded
-
-
-def wait_until(condition, what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+SOON = dict(timeout=WAIT_S, interval=0.02)  # how the watcher tests wait
 
 
 def make(url: str, interval_s: float = 60.0) -> tuple[NoticeBoard, Watcher]:
@@ -53,10 +48,10 @@ def test_the_thread_sees_a_notice_switched_on_at_runtime(imds):
     board, w = make(imds.url, interval_s=0.1)
     w.start()
     try:
-        wait_until(lambda: imds.counts()[1] >= 4, "two polls of the running watcher")
+        wait_until(lambda: imds.counts()[1] >= 4, what="two polls of the running watcher", **SOON)
         assert board.level == LEVEL_NONE
         imds.set_instance_action({"action": "hibernate", "time": WHEN})
-        wait_until(lambda: board.level == LEVEL_LEAVE, "the notice on the board")
+        wait_until(lambda: board.level == LEVEL_LEAVE, what="the notice on the board", **SOON)
         assert board.current()[0].kind == "hibernate"
     finally:
         w.stop()
@@ -68,7 +63,7 @@ def test_no_service_logs_one_line_and_polls_on_quietly(caplog):
     board, w = make(f"http://127.0.0.1:{free_port()}", interval_s=0.05)
     w.start()
     try:
-        wait_until(lambda: w.quiet, "the probes to find no service")
+        wait_until(lambda: w.quiet, what="the probes to find no service", **SOON)
         assert w.alive and board.level == LEVEL_NONE, "the watcher must poll on (slowly), not end"
     finally:
         w.stop()
@@ -82,7 +77,7 @@ def test_a_rank_that_does_not_speak_for_its_node_logs_at_debug_only(caplog):
     w = Watcher(board, ImdsClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5), interval_s=0.05, speaks=False)
     w.start()
     try:
-        wait_until(lambda: w.quiet, "the probes to find no service")
+        wait_until(lambda: w.quiet, what="the probes to find no service", **SOON)
     finally:
         w.stop()
     assert [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__] == []
@@ -95,11 +90,11 @@ def test_a_service_that_answers_only_after_the_probes_failed_is_still_heard(imds
     w = Watcher(board, ImdsClient(imds.url, timeout_s=0.5), interval_s=0.05, quiet_interval_s=0.1)
     w.start()
     try:
-        wait_until(lambda: w.quiet, "the probes to fail")
+        wait_until(lambda: w.quiet, what="the probes to fail", **SOON)
         imds.fail_status = None
         imds.set_instance_action({"action": "terminate", "time": WHEN})
-        wait_until(lambda: board.level == LEVEL_LEAVE, "the notice served after the probes failed")
-        wait_until(lambda: not w.quiet, "the watcher to poll at its normal interval again")
+        wait_until(lambda: board.level == LEVEL_LEAVE, what="the notice served after the probes failed", **SOON)
+        wait_until(lambda: not w.quiet, what="the watcher to poll at its normal interval again", **SOON)
     finally:
         w.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == watcher_mod.__name__]
@@ -147,7 +142,8 @@ def test_sigterm_posts_a_notice_due_after_the_grace_period():
     handler = install_sigterm(board, grace_s=30.0, boundary_s=600.0, wall=lambda: 100.0)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
-        wait_until(lambda: board.level == LEVEL_LEAVE, "the SIGTERM notice")  # handlers run between bytecodes
+        # Signal handlers run between bytecodes: the notice is posted soon, not at once.
+        wait_until(lambda: board.level == LEVEL_LEAVE, what="the SIGTERM notice", **SOON)
         (notice,) = board.current()
         assert (notice.kind, notice.deadline, notice.seen_at) == ("sigterm", 130.0, 100.0)
     finally:
@@ -158,11 +154,11 @@ def test_sigterm_posts_a_notice_due_after_the_grace_period():
 STUCK_WORKER = """
 import os, signal, sys, time
 from elastic_ft.spot.watcher import NoticeBoard, install_sigterm
+from tests.waiting import wait_until
 board = NoticeBoard()
 handler = install_sigterm(board, grace_s=30.0, boundary_s=float(sys.argv[2]))
 os.kill(os.getpid(), signal.SIGTERM)
-while board.level == 0:  # the handler runs between bytecodes
-    time.sleep(0.01)
+wait_until(lambda: board.level, timeout=30, what="the SIGTERM notice", interval=0.01)  # handlers run between bytecodes
 if sys.argv[1] == "answer":
     handler.answering()  # the loop reached a boundary: it commits, however long that takes
 if sys.argv[1] == "steps":  # steps longer than boundary_s, each ending at a boundary that is not leaving
@@ -184,6 +180,7 @@ sys.exit(3)
 # 1.5 s steps (each longer than boundary_s=1) pass boundaries, and none is cut off.
 @pytest.mark.parametrize("mode, boundary_s, runs_s, code", [
     ("stuck", "0.5", "60", watcher_mod.SIGTERM_EXIT_CODE), ("answer", "2", "3", 3), ("steps", "1", "0", 3)])
+@pytest.mark.subprocess
 def test_a_worker_that_reaches_no_boundary_after_sigterm_still_exits(mode, boundary_s, runs_s, code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", STUCK_WORKER, mode, boundary_s, runs_s], capture_output=True,
@@ -208,6 +205,7 @@ sys.exit(3)
 # With the agent's note of a lost peer, SIGTERM ends the worker at once (no 600 s wait for a boundary); without
 # it the worker waits for a boundary as before (the script ends by itself after 2 s).
 @pytest.mark.parametrize("lost, code", [("lost", watcher_mod.SIGTERM_EXIT_CODE), ("none", 3)])
+@pytest.mark.subprocess
 def test_sigterm_after_the_agent_noted_a_lost_peer_exits_without_waiting_for_a_boundary(lost, code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-c", LOST_PEER_WORKER, lost], capture_output=True, text=True,

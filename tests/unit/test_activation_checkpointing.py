@@ -11,6 +11,7 @@ from tests.conftest import DEFAULT_SPEC
 from tests.unit.inprocess import train
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_checkpointing_gives_the_same_loss_over_steps(tmp_path):
     # LoRA dropout on: recomputation must replay the same masks.
     plain = train(tmp_path, "plain", "lora.dropout=0.1")

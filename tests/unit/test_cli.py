@@ -20,6 +20,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": REPO})
 
 
+@pytest.mark.subprocess
 def test_version_prints_the_package_version():
     out = subprocess.run([sys.executable, "-m", "elastic_ft.cli", "--version"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": REPO})
@@ -28,6 +29,7 @@ def test_version_prints_the_package_version():
         assert tomllib.load(f)["project"]["version"] == elastic_ft.__version__
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv", [[], ["train"], ["ckpt", "ls"], ["export"], ["goodput"], ["events"], ["status"]])
 def test_help_does_not_import_torch(argv):
     out = _python(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elastic_ft.config import OptimizerConfig
@@ -45,6 +46,7 @@ def test_a_restored_step_stays_on_the_host_unless_the_optimizer_is_fused():
     assert float(fused.state[own["w"]]["step"]) == 1.0
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     # A constant LR: the schedule's length (the run's steps) must not differ between the two.
     whole = train(tmp_path, "whole", "optimizer.schedule=constant")

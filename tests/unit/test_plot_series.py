@@ -131,6 +131,7 @@ def test_plot_refuses_an_out_that_cannot_be_written_and_a_silly_size(tmp_path, c
     assert "--width" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path):
     events = write_events(tmp_path / "events.jsonl", preempted_and_rescaled())
     # A real process where matplotlib cannot be imported (as on a node without the plot extra).

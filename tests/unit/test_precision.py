@@ -32,6 +32,7 @@ def problems(*overrides: str) -> list[tuple[str, str]]:
     return err.value.problems
 
 
+@pytest.mark.slow  # trains in this process: over 10 s on 2 cores
 def test_bf16_compute_matches_fp32_within_tolerance(tmp_path):
     full = train(tmp_path, "fp32")
     low = train(tmp_path, "bf16", *BF16)

@@ -72,6 +72,7 @@ def test_file_and_s3_resolve_to_their_classes(tmp_path, monkeypatch):
         s3.close()
 
 
+@pytest.mark.subprocess
 def test_store_imports_no_backend():
     # A fresh interpreter: this process has long imported boto3 for other tests.
     code = (
@@ -84,6 +85,7 @@ def test_store_imports_no_backend():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module", ["elastic_ft.checkpoint.s3", "elastic_ft.checkpoint.local"])
 def test_each_backend_imports_first_without_a_cycle(module):
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True)

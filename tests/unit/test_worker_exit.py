@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.subprocess  # each test runs a worker's exit in a child
+
 CHILD = """
 import atexit, sys
 atexit.register(lambda: print("teardown ran", flush=True))
