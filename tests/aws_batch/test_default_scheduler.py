@@ -25,6 +25,7 @@ from tests.conftest import REPO, explain, run
 TORCHX_DEFAULT = next(iter(DEFAULT_SCHEDULER_MODULES))  # local_docker in torchx 0.7
 
 
+@pytest.mark.subprocess  # runs bash / a child python
 def test_the_build_writes_the_schedulers_in_torchx_order(tmp_path):
     proc = run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=REPO, timeout=300)
     assert proc.returncode == 0, explain(proc)

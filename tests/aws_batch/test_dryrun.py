@@ -176,6 +176,7 @@ def _with(flag: str, text: str) -> list[str]:
     return train_args(**{flag[2:]: text})
 
 
+@pytest.mark.subprocess  # runs bash / a child python
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("flag,template", QUOTED)
 def test_user_text_reaches_torchrun_intact_in_the_container(flag, template, probe, markers, tmp_path):

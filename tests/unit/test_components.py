@@ -236,6 +236,7 @@ def local_cwd_request(*args: str):
     return info.request.role_params["trainer"][0]
 
 
+@pytest.mark.subprocess  # runs bash / a child python
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("flag,template", QUOTED)
 def test_user_text_reaches_torchrun_intact_on_local_cwd(flag, template, probe, markers, tmp_path):
@@ -259,6 +260,7 @@ def test_text_that_is_no_endpoint_run_id_env_name_or_node_count_is_refused(flag,
     assert fired(markers) == []
 
 
+@pytest.mark.subprocess  # runs bash / a child python
 def test_the_default_rank0_endpoint_is_the_one_text_bash_expands(tmp_path):
     replica = local_cwd_request("--nnodes", "2")
     argv, _ = run_planned(replica.args[-1], replica.env, tmp_path)

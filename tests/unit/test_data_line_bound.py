@@ -92,6 +92,7 @@ _CHILD = textwrap.dedent("""
     ("big.jsonl", "json", FIELDS),
     ("big.txt", "text", {"text_field": "text"}),
 ])
+@pytest.mark.subprocess  # runs bash / a child python
 def test_a_300_mb_line_is_refused_in_the_memory_of_the_bound(tmp_path, name, fmt, fields):
     """A sparse file (no disk used): good lines, then one 300 MB line of NUL bytes. The child's peak RSS
     grows by at most a few times the 16 MiB bound; the old code read the line whole (600 MB and more)."""
