@@ -34,7 +34,7 @@ from elastic_ft.runevents.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision, rng, sharding
+from elastic_ft.train import peer_loss, precision, rng, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -234,7 +234,7 @@ class Trainer(Saving):
         if self.node_head:
             log.info("%s", joined_line(self.opts.run_id, w.rank, w.local_size, w.size, self.events.common["attempt"]))
         self.resume()
-        departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
+        peer_loss.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
         first = True
         try:
