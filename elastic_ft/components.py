@@ -45,7 +45,7 @@ import torchx.specs as specs
 from torchx.specs import macros
 from torchx.specs.finder import ComponentValidationException
 
-from elastic_ft.names import check_name
+from elastic_ft.config.names import check_name
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 

@@ -20,8 +20,8 @@ from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.runevents.events import events_dir
-from elastic_ft.names import name_problem
-from elastic_ft.quiet import quiet_libraries
+from elastic_ft.config.names import name_problem
+from elastic_ft.train.quiet import quiet_libraries
 from elastic_ft.spot.imds import EndpointError
 from elastic_ft.train.datafiles import DataError  # not train.data: it imports torch, and --help must not
 from elastic_ft.train.peer_loss import collective_failure

@@ -372,7 +372,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     wrap_op_executor(handler, EarlyCloseExecutor)
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.
     store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)
-    from ..doctor.startup import report_at_startup  # hostname, interfaces, versions: warnings only
+    from ..preflight.startup import report_at_startup  # hostname, interfaces, versions: warnings only
 
     report_at_startup(client, run_prefix, params.max_nodes, [e.host for e in options.connection.endpoints])
     return handler

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from elastic_ft import faults
+from elastic_ft.train import faults
 from elastic_ft.runevents import goodput
 from elastic_ft.runevents.node_identity import batch_node
 from elastic_ft.checkpoint.cache import CachedStore
@@ -267,7 +267,7 @@ class Trainer(Saving):
         return summary
 
     def _inject_faults(self) -> None:
-        """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.faults`)."""
+        """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.train.faults`)."""
         inj = self.injector
         if not inj.faults:
             return
