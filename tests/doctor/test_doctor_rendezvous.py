@@ -101,4 +101,4 @@ def test_versions_nothing_posted_skips():
 
 
 def test_local_versions_have_every_field():
-    assert set(node_versions.local_versions()) == set(rendezvous.FIELDS)
+    assert set(node_versions.local_versions()) == set(node_versions.FIELDS)
