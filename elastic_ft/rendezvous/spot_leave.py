@@ -107,6 +107,9 @@ def _leave_at_exit(handler: _Leaving) -> None:
     except NodeLeft as exc:
         # An exception from an atexit hook would only be printed: end the
         # process with the reclaim status instead (the workers are gone).
+        # os._exit skips the hooks still due, the directory's removal among them.
+        if handler.leave_file:
+            remove_marker_dir(handler.leave_file)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
