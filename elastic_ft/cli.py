@@ -247,10 +247,10 @@ def _check_export_args(args) -> None:
 
 
 def _export(args) -> int:
-    from elastic_ft.quiet import quiet_libraries
+    from elastic_ft.train.quiet import quiet_libraries
 
     quiet_libraries()  # before transformers is imported: its progress bars read the environment then
-    from elastic_ft.export import export
+    from elastic_ft.train.export import export
 
     _check_export_args(args)
     result = export(args.uri, args.out, step=args.step)

@@ -8,7 +8,7 @@ and leave between the min and max node counts.
 Exit status of a node (its torchrun), for a scheduler's retry rules:
 
 - 0: the job completed.
-- 75 (``EX_TEMPFAIL``, :data:`elastic_ft.spot.leave.RECLAIM_EXIT_CODE`): with
+- 75 (``EX_TEMPFAIL``, :data:`elastic_ft.handoff.leave_marker.RECLAIM_EXIT_CODE`): with
   ``rdzv_backend=etcd3``, the node left on a spot notice (IMDS terminate, stop
   or hibernate, or SIGTERM to torchrun, as a container stop sends) after the
   job committed its state; the other nodes go on without it. Resubmit the

@@ -5,7 +5,7 @@ checkpoint) end the process with one clear line and exit code 2; a run that
 committed its state and left on a spot notice exits with
 :data:`~elastic_ft.train.preemption.PREEMPTED_EXIT_CODE` (75), on every rank:
 on the node that leaves, after writing the leave marker that makes its etcd3
-agent leave the rendezvous and exit 75 as well (:mod:`elastic_ft.spot.leave`);
+agent leave the rendezvous and exit 75 as well (:mod:`elastic_ft.handoff.leave_marker`);
 elsewhere torchrun restarts the workers in the smaller world.
 """
 
@@ -20,11 +20,11 @@ from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.store import StoreError, check_uri
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.runevents.events import events_dir
-from elastic_ft.names import name_problem
-from elastic_ft.quiet import quiet_libraries
+from elastic_ft.config.names import name_problem
+from elastic_ft.train.quiet import quiet_libraries
 from elastic_ft.spot.imds import EndpointError
 from elastic_ft.train.datafiles import DataError  # not train.data: it imports torch, and --help must not
-from elastic_ft.train.departure import collective_failure
+from elastic_ft.train.peer_loss import collective_failure
 from elastic_ft.train.scaling import BatchPlanError
 
 USER_ERRORS = (ConfigError, StoreError, DataError, BatchPlanError, ManifestError, EndpointError)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 def finish(code: int) -> None:
     """End the process with ``code``; at once, without the interpreter's teardown, after a leave on a
     notice (75: the state is committed and the files are closed; see :func:`~elastic_ft.train.world.exit_process`)."""
-    from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+    from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
     from elastic_ft.train.world import exit_process  # bounded, also after a settle() that timed out
 
     exit_process(code, fast=code == RECLAIM_EXIT_CODE)

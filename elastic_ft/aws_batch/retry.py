@@ -3,7 +3,7 @@
 A node (one array child) is resubmitted when Spot reclaimed its host before it
 could leave (the status reason starts with ``Host EC2``) or when it left on a
 spot notice after the job committed its state (exit 75,
-:data:`elastic_ft.spot.leave.RECLAIM_EXIT_CODE`); it ends on success (0) and
+:data:`elastic_ft.handoff.leave_marker.RECLAIM_EXIT_CODE`); it ends on success (0) and
 on anything else. :func:`decide` evaluates such rules as AWS documents
 (API_EvaluateOnExit, "Automated job retries"), so tests can check the rules a
 request carries against the status AWS reports.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
 
 DEFAULT_ATTEMPTS = 10
 MAX_ATTEMPTS = 10  # AWS Batch allows 1 to 10 attempts

@@ -3,8 +3,8 @@
 The digest a manifest records for a blob (``BlobRef.sha256``, with its
 ``chunk_size``):
 
-- a blob of one chunk or less (``size <= chunk_size``), or any blob of a
-  format-1 manifest (``chunk_size == 0``): the plain sha256 of its bytes, what
+- a blob of one chunk or less (``size <= chunk_size``), or a digest asked
+  for with ``chunk_size == 0`` (whole): the plain sha256 of its bytes, what
   ``sha256sum`` prints;
 - a larger blob: the sha256 of the concatenated 32-byte sha256 digests of its
   consecutive ``chunk_size`` chunks (the last one may be shorter). A one-level

@@ -14,7 +14,7 @@ import tempfile
 from elastic_ft.checkpoint.errors import BlobMismatch, ObjectExists, ObjectNotFound, StoreUnavailable, UnsupportedURI
 from elastic_ft.checkpoint.segments import Data, as_segments
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore, check_blob, check_key, check_uri
-from elastic_ft.filemode import default_file_mode
+from elastic_ft.checkpoint.filemode import default_file_mode
 
 
 class LocalStore(ObjectStore):

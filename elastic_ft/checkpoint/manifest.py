@@ -21,7 +21,6 @@ import re
 from typing import Any
 
 FORMAT = "elastic_ft.checkpoint/2"
-READABLE_FORMATS = ("elastic_ft.checkpoint/1", FORMAT)
 """Format 1 recorded plain sha256 digests (no ``chunk_size``); format 2 adds chunked ones."""
 MANIFEST_PREFIX = "manifests/"
 BLOB_PREFIX = "blobs/"
@@ -145,9 +144,10 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
     if not isinstance(d, dict):
         raise ManifestCorrupt(f"manifest {key!r} is not a JSON object")
     fmt = d.get("format")
-    if fmt not in READABLE_FORMATS:
+    if fmt != FORMAT:
+        # Format 1 (whole-blob digests) is written by no elastic_ft since format 2: refused as any other.
         raise ManifestForeign(
-            f"manifest {key!r} has format {fmt!r}, but this elastic_ft reads {' and '.join(map(repr, READABLE_FORMATS))}; "
+            f"manifest {key!r} has format {fmt!r}, an unsupported format (this elastic_ft reads only {FORMAT!r}); "
             f"use the elastic_ft version that wrote it, or start a new run_id"
         )
     run_id = d.get("run_id")
@@ -171,8 +171,6 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
     for name, ref in blobs.items():
         if not (isinstance(ref.size, int) and ref.size >= 0 and isinstance(ref.chunk_size, int) and ref.chunk_size >= 0):
             raise ManifestCorrupt(f"manifest {key!r}: blob {name!r} needs whole, non-negative size and chunk_size, got {ref}")
-        if ref.chunk_size and fmt != FORMAT:
-            raise ManifestCorrupt(f"manifest {key!r} of format {fmt!r} cannot record chunked digests (blob {name!r})")
         if not ref.key.startswith(BLOB_PREFIX) or ".." in ref.key.split("/"):
             raise ManifestCorrupt(f"manifest {key!r} references blob {name!r} outside this run: {ref.key!r}")
     return m

@@ -12,18 +12,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from elastic_ft.config.bounds import out_of_range
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
-from elastic_ft.config import LIMITS
 
 log = logging.getLogger(__name__)
+
+RANGES: dict[str, tuple[float, float]] = {"keep_last": (1, 10**6), "keep_every": (1, 10**9),
+                                          "orphan_grace_s": (0.0, 1e8)}
+"""Each field's closed range. The spec's ``checkpoint.*`` limits (``config.LIMITS``) are these: one table,
+here, since the config layer sits above the checkpoint layer."""
+
+
+def _out_of_range(name: str, value: float) -> str | None:
+    lo, hi = RANGES[name]
+    if lo <= value <= hi:  # False for nan too
+        return None
+    shown = f"<a number {value.bit_length()} bits long>" if isinstance(value, int) and value.bit_length() > 64 \
+        else repr(value)
+    return f"{name} must be in [{lo}, {hi}], got {shown}"
 
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicy:
     """What gc keeps. Raises ValueError naming the field for a value outside the
-    spec's range (config.LIMITS): a negative ``keep_last`` once deleted every
+    range (:data:`RANGES`): a negative ``keep_last`` once deleted every
     checkpoint but the newest."""
 
     keep_last: int | None = 3
@@ -35,10 +47,9 @@ class RetentionPolicy:
     (a save in flight has blobs but no manifest yet); finite, >= 0."""
 
     def __post_init__(self) -> None:
-        ranges = {name: LIMITS[f"checkpoint.{name}"] for name in ("keep_last", "keep_every", "orphan_grace_s")}
-        problems = out_of_range(self, ranges)
+        problems = [p for name in RANGES if (v := getattr(self, name)) is not None and (p := _out_of_range(name, v))]
         if problems:
-            raise ValueError("retention policy: " + "; ".join(f"{field} {msg}" for field, msg in problems))
+            raise ValueError("retention policy: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)

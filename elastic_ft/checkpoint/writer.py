@@ -167,17 +167,14 @@ class CheckpointWriter:
         self.run_id = run_id
         self.writer_token = writer_token or new_writer_token()
 
-    def commit(self, snap: Snapshot, *, before_manifest: Callable[[], None] | None = None) -> Manifest:
+    def commit(self, snap: Snapshot) -> Manifest:
         """Upload every blob of ``snap`` from this process, then commit its manifest.
 
-        ``before_manifest`` is a hook between the blobs and the commit (tests use it
-        to tear a save). Raises :class:`CheckpointConflict` if another writer holds
-        this step, and the store's errors for anything else.
+        Raises :class:`CheckpointConflict` if another writer holds this step, and
+        the store's errors for anything else.
         """
         nonce = new_nonce()
         blobs = self.upload_part(snap, nonce, part=0, parts=1)
-        if before_manifest is not None:
-            before_manifest()
         return self.commit_manifest(snap, blobs)
 
     def upload_part(self, snap: Snapshot, nonce: str, *, part: int, parts: int) -> dict[str, BlobRef]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from elastic_ft.checkpoint.retention import RANGES as RETENTION_RANGES
 from elastic_ft.config.bounds import Bound
 
 MAX_STEPS = 10**9
@@ -36,9 +37,9 @@ LIMITS: dict[str, Bound] = {
     "seed": Bound(0, 2**32 - 1),  # numpy's SeedSequence refuses negatives; torch seeds need headroom
     "checkpoint.every_steps": Bound(1, MAX_STEPS),
     "checkpoint.every_seconds": Bound(0.0, 1e8, lo_open=True),
-    "checkpoint.keep_last": Bound(1, 10**6),
-    "checkpoint.keep_every": Bound(1, MAX_STEPS),
-    "checkpoint.orphan_grace_s": Bound(0.0, 1e8),
+    "checkpoint.keep_last": Bound(*RETENTION_RANGES["keep_last"]),
+    "checkpoint.keep_every": Bound(*RETENTION_RANGES["keep_every"]),
+    "checkpoint.orphan_grace_s": Bound(*RETENTION_RANGES["orphan_grace_s"]),
     "checkpoint.max_failed_saves": Bound(1, 100),
     "checkpoint.save_timeout_s": Bound(1.0, 86400.0),
     # S3's own limits: parts of 5 MiB to 5 GiB, and a single PUT (below the threshold) of 5 GiB at most.

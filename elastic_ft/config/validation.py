@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from elastic_ft.config.bounds import out_of_range, show_value as _show
 from elastic_ft.config.limits import LIMITS
 from elastic_ft.config.sections import JobSpec
 from elastic_ft.inputs.uri import has_scheme, uri_problem
-from elastic_ft.names import name_problem
-from elastic_ft.viz.tensorboard import missing as tensorboard_missing
+from elastic_ft.config.names import name_problem
+
+
+TENSORBOARD_EXTRA = "pip install 'elastic-ft[tensorboard]'"
+
+
+def tensorboard_missing() -> str | None:
+    """Why ``logging.tensorboard: true`` cannot work here (its package is not installed), or None.
+
+    Here, not in :mod:`elastic_ft.viz.tensorboard`: the spec is checked below the layer that writes the events.
+    """
+    if importlib.util.find_spec("tensorboard") is None:
+        return f"needs the tensorboard package, which is not installed: {TENSORBOARD_EXTRA}"
+    return None
 
 
 def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Callable, Iterator
 
-from elastic_ft.doctor.report import Result, exit_code
+from elastic_ft.preflight.report import Result, exit_code
 
 
 def max_nodes(text: str) -> int:
@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def checks(args: argparse.Namespace, environ: dict[str, str]) -> Iterator[Result]:
     """Every check's result, in order; each is produced (and printed) before the next starts."""
-    from elastic_ft.doctor import ec2, network
+    from elastic_ft.doctor import ec2
+    from elastic_ft.preflight import network
 
     multi = args.nnodes is None or args.nnodes > 1
     yield network.check_hostname(args.hostname, multi)
@@ -49,7 +50,8 @@ def checks(args: argparse.Namespace, environ: dict[str, str]) -> Iterator[Result
 
 
 def _rendezvous(args: argparse.Namespace, environ: dict[str, str]) -> Iterator[Result]:
-    from elastic_ft.doctor import network, rendezvous
+    from elastic_ft.doctor import rendezvous
+    from elastic_ft.preflight import network
 
     if not args.rdzv_endpoint:
         yield Result("SKIP", "rendezvous", "no --rdzv_endpoint given (etcd HOST:PORT)")
@@ -71,14 +73,14 @@ def _rendezvous(args: argparse.Namespace, environ: dict[str, str]) -> Iterator[R
 
 
 def _versions(args: argparse.Namespace, options, client) -> Result:
-    from elastic_ft.doctor import rendezvous
+    from elastic_ft.preflight import versions
 
     if not args.run_id:
         return Result("SKIP", "versions", "no --run_id given: versions are posted and compared per run")
-    prefix = rendezvous.versions_prefix(options.run_prefix(args.run_id))
+    prefix = versions.versions_prefix(options.run_prefix(args.run_id))
     if args.post:
-        rendezvous.post_versions(client, prefix, rendezvous.node_name(), rendezvous.local_versions())
-    return rendezvous.versions_result(rendezvous.read_versions(client, prefix))
+        versions.post_versions(client, prefix, versions.node_name(), versions.local_versions())
+    return versions.versions_result(versions.read_versions(client, prefix))
 
 
 def _store(args: argparse.Namespace) -> Iterator[Result]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from typing import Mapping
 
-from elastic_ft.doctor.report import Result
+from elastic_ft.preflight.report import Result
 
 INSTANCE_TYPE_PATH = "/latest/meta-data/instance-type"
 

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Callable
 
-from elastic_ft.doctor.report import Result
+from elastic_ft.preflight.report import Result
 
 CLOCK_BOUND_S = 5.0
 # Short retries: the doctor reports a slow or failing store, it does not ride it out.

@@ -32,12 +32,11 @@ torch internals used: ``torch.distributed.elastic.agent.server.api.SimpleElastic
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import time
 
 from .store import WritersLostError
+from .torch_internals import wrap_agent_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +46,31 @@ def torch_version() -> str:
 
     return torch.__version__
 
-_WRAPPED = "_elastic_ft_rejoins_after_loss"
-
-
 def rejoin_after_loss() -> None:
     """Make torch's agent join a new round when its round loses a node during the rank assignment (idempotent)."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-    original = getattr(SimpleElasticAgent, "_rendezvous", None)
-    if getattr(original, _WRAPPED, False):
-        return
-    if original is None or list(inspect.signature(original).parameters) != ["self", "worker_group"]:
-        # Another torch: wrapping blindly could break every agent; without it only this case fails.
+    def wrap(original):  # type: ignore[no-untyped-def]
+        def _rendezvous(self, worker_group):  # type: ignore[no-untyped-def]
+            handler = worker_group.spec.rdzv_handler
+            settings = getattr(handler, "settings", None)
+            join_s = settings.timeout.join.total_seconds() if settings is not None else 0.0
+            deadline = time.monotonic() + join_s
+            while True:
+                try:
+                    return original(self, worker_group)
+                except WritersLostError as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning(
+                        "Rendezvous %r: a node of the round was lost while the agents assigned their workers' "
+                        "ranks (%s). Joining a new round without it.", handler.get_run_id(), exc,
+                    )
+
+        return _rendezvous
+
+    if not wrap_agent_rendezvous(wrap):
         log.warning(
             "torch %s's SimpleElasticAgent has no _rendezvous(self, worker_group) (elastic_ft knows torch "
             "2.13's): a node lost while the agents assign ranks will end the agent (exit 1), not start a "
             "new round.", torch_version(),
         )
-        return
-
-    @functools.wraps(original)
-    def _rendezvous(self, worker_group):  # type: ignore[no-untyped-def]
-        handler = worker_group.spec.rdzv_handler
-        settings = getattr(handler, "settings", None)
-        join_s = settings.timeout.join.total_seconds() if settings is not None else 0.0
-        deadline = time.monotonic() + join_s
-        while True:
-            try:
-                return original(self, worker_group)
-            except WritersLostError as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning(
-                    "Rendezvous %r: a node of the round was lost while the agents assigned their workers' "
-                    "ranks (%s). Joining a new round without it.", handler.get_run_id(), exc,
-                )
-
-    setattr(_rendezvous, _WRAPPED, True)
-    SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]

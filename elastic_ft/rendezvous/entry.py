@@ -17,7 +17,7 @@ any error from handler creation, and torchx shows it again):
 - 78 (``EX_CONFIG``): etcd refused the connection as configured (credentials,
   TLS, permissions) or a rendezvous option is invalid.
 
-Neither is 75 (:data:`elastic_ft.spot.leave.RECLAIM_EXIT_CODE`), the only status
+Neither is 75 (:data:`elastic_ft.handoff.leave_marker.RECLAIM_EXIT_CODE`), the only status
 AWS Batch retries under :mod:`elastic_ft.aws_batch.retry`: the client already
 retried transient faults for ``retry_timeout``, and a wrong endpoint or
 password retried as a reclaimed node would cost every attempt (up to 10) its

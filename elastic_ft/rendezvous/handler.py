@@ -18,7 +18,6 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 
-from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -27,21 +26,21 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousTimeout,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-from ..spot.leave import (
+from ..handoff.leave_marker import (
     AT_EXIT, AT_ROUND, RECLAIM_EXIT_CODE, LeaveMarker, clear_marker, honoured, lost_note, read_marker,
 )
-from ..train.departure import LOST_NODES_ENV
+from ..handoff.lost_nodes import LOST_NODES_ENV
 from .agent_faults import hold_at
-from .departure import NodeLeft, hand_leave_file, peers_leave
-from .early_close import EarlyCloseExecutor, staying_members
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen
 from .liveness import LossDetection
+from .spot_leave import EarlyCloseExecutor, NodeLeft, hand_leave_file, peers_leave, staying_members
 from .store import WritersLostError
+from .torch_internals import (
+    HandlerBase, heartbeat_lock, install_state_holder, op_executor, state_holder, stop_heartbeats, this_node,
+    wrap_op_executor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ log = logging.getLogger(__name__)
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
+class EtcdRendezvousHandler(LossDetection, HandlerBase):
     """torch's dynamic rendezvous; the agent's store is etcd, never a node's TCPStore.
 
     Unlike c10d's TCPStore, the state in etcd outlives the job, so the handler
@@ -74,16 +73,14 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
 
     leave_file: str | None = None
     """The leave marker this agent's workers write when the node leaves on a spot notice
-    (:mod:`elastic_ft.spot.leave`); set by :func:`create_handler`."""
+    (:mod:`elastic_ft.handoff.leave_marker`); set by :func:`create_handler`."""
 
-    # Private torch attributes used below, each for want of a public interface
-    # (torch 2.13's DynamicRendezvousHandler exposes only ``settings``):
-    # ``_state_holder`` (the rendezvous state, to judge lost and closed nodes),
-    # ``_heartbeat_lock`` (the keep-alive thread syncs that holder too),
-    # ``_this_node`` (this node's descriptor), ``_op_executor`` (to run LeaveOp; wrapped to close a
-    # round early after a leave),
-    # ``_stop_heartbeats()`` (shutdown() without closing) and the ``_get_store()``
-    # hook (the one call made when a round completes).
+    # torch's private attributes are reached through .torch_internals, each for want of a public
+    # interface (torch 2.13's DynamicRendezvousHandler exposes only ``settings``): the state holder
+    # (to judge lost and closed nodes), the heartbeat lock (the keep-alive thread syncs that holder
+    # too), this node's descriptor, the op executor (to run LeaveOp; wrapped to close a round early
+    # after a leave), stop_heartbeats (shutdown() without closing) and on_round_complete (torch's
+    # hook when a round completes).
 
     @property
     def use_agent_store(self) -> bool:
@@ -91,7 +88,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
 
         torch's agent reads this once per worker start, after the rank assignment.
         """
-        hold_at("start_workers", (self._members or {}).get(self._this_node))
+        hold_at("start_workers", (self._members or {}).get(this_node(self)))
         return False
 
     def num_nodes_waiting(self) -> int:
@@ -119,7 +116,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
             # survivor's rejoin (a waiting node) is what it sees first.
             waiting = super().num_nodes_waiting()
             # Under the lock as torch reads the state: the keep-alive thread syncs and sanitizes it.
-            with self._heartbeat_lock:
+            with heartbeat_lock(self):
                 waiting = self._count_lost() or waiting
             # Other nodes leave on a spot notice and this node's workers committed and wait:
             # a change of membership, as for a node that joins.
@@ -154,9 +151,9 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         """
         self._leave_if_told(AT_ROUND)
         deadline = time.monotonic() + self.settings.timeout.join.total_seconds()
-        # After other nodes left on a notice, the round closes once the rest are in (see early_close).
+        # After other nodes left on a notice, the round closes once the rest are in (see spot_leave).
         left = self._peers_left
-        self._op_executor.expected = left and staying_members(self._members, left.leaving, left.kind)
+        op_executor(self).expected = left and staying_members(self._members, left.leaving, left.kind)
         try:
             while True:
                 try:
@@ -172,7 +169,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
                     log.warning("Rendezvous %r: %s Starting a new round without the lost node(s).",
                                 self.settings.run_id, exc)
         finally:
-            self._op_executor.expected = None
+            op_executor(self).expected = None
 
     def _meet(self, info: RendezvousInfo) -> None:
         """Return from a round only once every participant has reached it.
@@ -192,14 +189,14 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
             info.store.set(_MET_ALL, b"1")
         info.store.wait([_MET_ALL])
 
-    def _get_store(self) -> Store:
-        """See base class (a private hook: torch calls it once a round is complete); remember its members."""
-        state = self._state_holder.state
+    def on_round_complete(self) -> None:
+        """See base class (torch's hook once a round is complete): remember its members."""
+        state = state_holder(self).state
         previous, self._joined = self._joined, (state.round, frozenset(state.participants))
         self._members = dict(state.participants)  # node -> rank: the ranks a leave marker names
         self._last_seen = dict(state.last_heartbeats)
         # The workers torch starts next inherit this process' environment: they
-        # say which node left in their resume line (elastic_ft.train.departure).
+        # say which node left in their resume line (elastic_ft.train.peer_loss).
         lost = self._lost_since_round if self._peers_left is None else None
         lost = lost or departed(previous, self._joined[1], self._peers_left)
         if lost:
@@ -207,23 +204,22 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         else:
             os.environ.pop(LOST_NODES_ENV, None)
         self._lost_since_round = self._peers_left = None
-        return super()._get_store()
 
     def _reopen_closed(self, deadline: float) -> None:
         """The join found the rendezvous closed: reopen it for this submission,
         wait for the job that closed it to finish exiting, or give up at ``deadline``."""
         announced = False
         while True:
-            self._state_holder.sync()
-            state = self._state_holder.state
+            state_holder(self).sync()
+            state = state_holder(self).state
             if not state.closed:
                 return  # another node of this submission reopened it
             now = datetime.now(timezone.utc)
-            decision = on_closed(state, self._this_node, now, self._liveness())
+            decision = on_closed(state, this_node(self), now, self._liveness())
             if decision.reopen:
                 reopen(state)
-                self._state_holder.mark_dirty()
-                if self._state_holder.sync():
+                state_holder(self).mark_dirty()
+                if state_holder(self).sync():
                     log.info("Rendezvous %r: %s.", self.settings.run_id, decision.reason)
                     return
                 continue  # another node wrote first: judge its state
@@ -261,7 +257,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
             if close:
                 done = super().shutdown()  # stops the heartbeats, then closes
             else:
-                self._stop_heartbeats()
+                stop_heartbeats(self)
                 log.info("Rendezvous %r: not closing it: %s.", self.settings.run_id, reason)
                 done = True
             return self._leave() and done
@@ -272,7 +268,7 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
     def _leave_if_told(self, where: str) -> None:
         """Leave the rendezvous, without closing it, if this node's workers left on a spot notice.
 
-        Their marker is consumed either way; see :func:`~elastic_ft.spot.leave.honoured`
+        Their marker is consumed either way; see :func:`~elastic_ft.handoff.leave_marker.honoured`
         for a SIGTERM's, which before a new round means this agent stopped its
         workers itself (a node joins) and the node stays.
 
@@ -293,12 +289,12 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
             log.info("Rendezvous %r: the workers answered this agent's own SIGTERM; the node stays.",
                      self.settings.run_id)
             return
-        self._stop_heartbeats()
+        stop_heartbeats(self)
         left = self._leave()  # the others need not wait for this node's heartbeat to go stale
         log.warning(
             "Node %s leaves rendezvous %r on a %s notice, step %d committed; %s. Exit status %d: a spot "
             "reclaim (resubmit the node to rejoin).",
-            self._this_node, self.settings.run_id, marker.kind, marker.step,
+            this_node(self), self.settings.run_id, marker.kind, marker.step,
             "the other nodes go on without it" if left else "the others drop it once its heartbeat is stale",
             RECLAIM_EXIT_CODE,
         )
@@ -308,13 +304,13 @@ class EtcdRendezvousHandler(LossDetection, DynamicRendezvousHandler):
         """Remove this node from the rendezvous; on failure its heartbeat expires instead."""
         try:
             deadline = time.monotonic() + self.settings.timeout.close.total_seconds()
-            self._op_executor.run(LeaveOp(), deadline)
+            op_executor(self).run(LeaveOp(), deadline)
             return True
         except RendezvousError as exc:
             log.warning(
                 "Node %s could not leave rendezvous %r (%s: %s); the others drop it once its "
                 "heartbeat is stale.",
-                self._this_node,
+                this_node(self),
                 self.settings.run_id,
                 type(exc).__name__,
                 exc,
@@ -386,11 +382,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # from_backend takes no holder, and the constructor that does needs torch's
     # private node descriptor (_NodeDesc), which from_backend generates.
     holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage)
-    handler._state_holder = handler._op_executor._state_holder = holder
-    handler._op_executor = EarlyCloseExecutor(handler._op_executor)
+    install_state_holder(handler, holder)
+    wrap_op_executor(handler, EarlyCloseExecutor)
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.
     store.set_writer_check(handler._lost_writers, interval=options.keep_alive_interval)
-    from ..doctor.startup import report_at_startup  # hostname, interfaces, versions: warnings only
+    from ..preflight.startup import report_at_startup  # hostname, interfaces, versions: warnings only
 
     report_at_startup(client, run_prefix, params.max_nodes, [e.host for e in options.connection.endpoints])
     return handler

@@ -30,13 +30,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Collection, Mapping
 
-# Private torch names: the rendezvous state and the op protocol (a context in,
-# an action out) that LeaveOp implements have no public counterparts in torch 2.13.
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    _Action,
-    _RendezvousContext,
-    _RendezvousState,
-)
+# The rendezvous state and the op protocol (a context in, an action out) that LeaveOp
+# implements are torch's private names, reached through the adapter.
+from .torch_internals import Action, RendezvousContext, RendezvousState
 
 
 def close_on_shutdown(propagating: BaseException | None) -> tuple[bool, str]:
@@ -57,7 +53,7 @@ def close_on_shutdown(propagating: BaseException | None) -> tuple[bool, str]:
 
 
 def live_nodes(
-    state: _RendezvousState, now: datetime, liveness: timedelta | None, exclude: Any = None
+    state: RendezvousState, now: datetime, liveness: timedelta | None, exclude: Any = None
 ) -> list[Any]:
     """Nodes whose last heartbeat is younger than ``liveness`` (torch's own rule:
     ``keep_alive_interval * keep_alive_max_attempt``), except ``exclude``.
@@ -85,7 +81,7 @@ class ClosedDecision:
 
 
 def on_closed(
-    state: _RendezvousState, node: Any, now: datetime, liveness: timedelta | None
+    state: RendezvousState, node: Any, now: datetime, liveness: timedelta | None
 ) -> ClosedDecision:
     """A joining ``node`` found ``state`` closed: reopen it, or wait.
 
@@ -111,7 +107,7 @@ def on_closed(
     )
 
 
-def reopen(state: _RendezvousState) -> None:
+def reopen(state: RendezvousState) -> None:
     """Turn a closed ``state`` into an empty, open rendezvous at the next round.
 
     In place, as torch's own state transitions are. The round goes up so that
@@ -128,7 +124,7 @@ def reopen(state: _RendezvousState) -> None:
 
 
 def lost_members(
-    state: _RendezvousState,
+    state: RendezvousState,
     round_: int,
     members: Collection[Any],
     node: Any,
@@ -206,16 +202,16 @@ class LeaveOp:
     to go stale. Runs in torch's op executor like torch's own operations.
     """
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    def __call__(self, ctx: RendezvousContext, deadline: float) -> Action:
         state = ctx.state
         if ctx.node in state.participants:
-            action = _Action.REMOVE_FROM_PARTICIPANTS
+            action = Action.REMOVE_FROM_PARTICIPANTS
         elif ctx.node in state.wait_list:
-            action = _Action.REMOVE_FROM_WAIT_LIST
+            action = Action.REMOVE_FROM_WAIT_LIST
         elif ctx.node in state.redundancy_list:
-            action = _Action.REMOVE_FROM_REDUNDANCY_LIST
+            action = Action.REMOVE_FROM_REDUNDANCY_LIST
         else:
-            return _Action.FINISH
+            return Action.FINISH
         if time.monotonic() > deadline:
-            return _Action.ERROR_TIMEOUT
+            return Action.ERROR_TIMEOUT
         return action

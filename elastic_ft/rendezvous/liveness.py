@@ -8,8 +8,8 @@ wait for a lost node's keys ends). Both judge the rendezvous state with
 :func:`~elastic_ft.rendezvous.lifecycle.lost_members`, against the keep-alive
 expiry torch's state sanitizer uses.
 
-The mixin reads torch's private ``_state_holder``, ``_heartbeat_lock``,
-``_this_node`` and ``settings`` of the handler it is mixed into (see there).
+The mixin reads the state holder, heartbeat lock and node descriptor of the
+handler it is mixed into through :mod:`elastic_ft.rendezvous.torch_internals`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from datetime import datetime, timedelta, timezone
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from ..spot.leave import note_peer_lost
+from ..handoff.leave_marker import note_peer_lost
 from .lifecycle import lost_members
+from .torch_internals import heartbeat_lock, state_holder, this_node
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class LossDetection:
     def _liveness(self) -> timedelta | None:
         """How old a heartbeat may be for its node to count as alive; None (any
         age) right after an etcd outage, which held every heartbeat up."""
-        if not self._state_holder.heartbeats_count():
+        if not state_holder(self).heartbeats_count():
             return None
         return self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt
 
@@ -52,8 +53,8 @@ class LossDetection:
         if self._joined is None:
             return None
         try:
-            with self._heartbeat_lock:
-                self._state_holder.sync()
+            with heartbeat_lock(self):
+                state_holder(self).sync()
         except RendezvousError as exc:
             log.warning(
                 "Could not read rendezvous %r to check its nodes: %s", self.settings.run_id, exc
@@ -71,7 +72,7 @@ class LossDetection:
             return None
         now = datetime.now(timezone.utc)
         return lost_members(
-            self._state_holder.state, joined[0], joined[1], self._this_node, now, self._liveness(),
+            state_holder(self).state, joined[0], joined[1], this_node(self), now, self._liveness(),
             last_seen,
         )
 
@@ -83,7 +84,7 @@ class LossDetection:
         """
         if self._joined is None:
             return 0
-        beats = self._state_holder.state.last_heartbeats
+        beats = state_holder(self).state.last_heartbeats
         for member in self._joined[1]:
             if member in beats:
                 self._last_seen[member] = max(beats[member], self._last_seen.get(member, beats[member]))

@@ -28,17 +28,12 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-# Private torch classes: the handler's state holder is the only place that reads
-# and writes the state for every node operation, and torch offers no public
-# holder or hook to subclass (see OutageTolerantStateHolder).
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    RendezvousBackend,
-    RendezvousSettings,
-    _BackendRendezvousStateHolder,
-    _RendezvousState,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, RendezvousSettings
 
 from .etcd import Outage
+# torch's state holder is the only place that reads and writes the state for every
+# node operation, and torch offers no public holder or hook to subclass: the adapter's.
+from .torch_internals import RendezvousState, StateHolder
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +63,7 @@ def heartbeats_may_expire(
     return now >= outage.ended + quiet_s
 
 
-def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
+def lost_running_state(previous: RendezvousState, key_exists: bool) -> bool:
     """Whether the state key vanished under a running job (etcd lost its data).
 
     True only for a completed, open round with participants: a job that has not
@@ -82,14 +77,14 @@ def lost_running_state(previous: _RendezvousState, key_exists: bool) -> bool:
     )
 
 
-class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
+class OutageTolerantStateHolder(StateHolder):
     """torch's state holder that drops no node right after an outage and repairs a lost state.
 
-    It relies on torch's private holder (pinned torch 2.13): ``_state`` is
-    assigned to write back a lost state (the ``state`` property has no
-    setter), ``_token`` tells whether the last sync found the key (sync()
-    returns no such thing), and ``_sanitize()`` is the hook where torch drops
-    nodes with stale heartbeats.
+    It relies on torch's private holder through the adapter
+    (:class:`~elastic_ft.rendezvous.torch_internals.StateHolder`): ``restore``
+    writes back a lost state, ``key_found`` tells whether the last sync found
+    the key, and ``may_drop_stale_nodes`` is asked where torch drops nodes
+    with stale heartbeats.
 
     Args:
         backend: the rendezvous backend.
@@ -113,14 +108,14 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         previous = self.state
         has_set = super().sync()
         # No token after a sync: the key was absent (get_state or set_state gave None).
-        if lost_running_state(previous, key_exists=self._token is not None):
+        if lost_running_state(previous, key_exists=self.key_found()):
             log.warning(
                 "The rendezvous state of %r is gone from etcd while round %d runs "
                 "(etcd lost its data?); writing back the last state this node read.",
                 self.settings.run_id,
                 previous.round,
             )
-            self._state = previous
+            self.restore(previous)
             self.mark_dirty()  # with no token: written only if the key is still absent
             has_set = super().sync()
         return has_set
@@ -135,7 +130,6 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt
         return heartbeats_may_expire(self._outages(), time.time(), expiry)
 
-    def _sanitize(self) -> None:
+    def may_drop_stale_nodes(self) -> bool:
         """See base class; no node is dropped for a stale heartbeat right after an outage."""
-        if self.heartbeats_count():
-            super()._sanitize()  # torch's _sanitize only drops dead nodes
+        return self.heartbeats_count()

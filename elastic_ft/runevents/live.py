@@ -43,7 +43,7 @@ def live_world(endpoint: str, conf: str | None, run_id: str) -> LiveWorld | None
 
     Raises ValueError for bad options and the etcd client's errors when etcd does not answer.
     """
-    from elastic_ft.doctor.rendezvous import open_client, parse_conf
+    from elastic_ft.rendezvous.probe import open_client, parse_conf
 
     options, client = open_client(endpoint, parse_conf(conf))
     try:

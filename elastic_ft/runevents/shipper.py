@@ -131,16 +131,15 @@ def leader_attempt(world: Any, store: ObjectStore, local_next: int | None) -> in
 
     ``local_next`` is the leader's own count (:func:`~elastic_ft.runevents.events.next_attempt`), None elsewhere.
     A store that cannot answer is raised on every rank alike, as :class:`StoreError`.
+    ``world`` is the trainer's (:class:`elastic_ft.train.world.World`, a layer above: passed in, not imported).
     """
-    from elastic_ft.train.world import broadcast_from_leader
-
     claimed: tuple[int | None, str | None] = (None, None)
     if world.is_leader:
         try:
             claimed = (claim_attempt_retrying(store, local_next or 1), None)
         except (StoreError, RuntimeError) as exc:
             claimed = (None, f"could not claim this attempt's number in {store.uri}: {exc}")
-    attempt, problem = broadcast_from_leader(world, claimed)
+    attempt, problem = world.from_leader(claimed)
     if problem is not None:
         raise StoreError(problem)
     return attempt

@@ -18,8 +18,9 @@ trades that for more steps on this node when its deadline is known.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
-from elastic_ft.spot.watcher import LEAVE_KINDS
+from elastic_ft.spot.watcher import LEAVE_KINDS, LEVEL_LEAVE
 
 ACTIONS = ("checkpoint_and_leave", "flush_and_leave", "early_checkpoint", "none")
 LEAVING = ("checkpoint_and_leave", "flush_and_leave")
@@ -109,3 +110,14 @@ def _fit(left: float | None, commit_s: float | None) -> str:
         return f"{left:.0f} s left, commit time not measured yet"
     verdict = "should fit" if commit_s < left else "may not fit"
     return f"{left:.0f} s left, the last commit took {commit_s:.1f} s: {verdict}"
+
+
+def leaving_nodes(reports: Iterable[tuple[str, Iterable[int]]]) -> frozenset[str]:
+    """The nodes that leave: those where any rank holds a notice of level ``leave``.
+
+    ``reports`` holds one ``(node, notice levels)`` per rank; ``node`` is the
+    rank's ``GROUP_RANK`` (its agent's rank in the round). A notice reaches
+    every process of a node (each polls IMDS; the agent forwards SIGTERM), but
+    not at the same instant: one rank's is enough.
+    """
+    return frozenset(node for node, levels in reports if any(level >= LEVEL_LEAVE for level in levels))

@@ -218,7 +218,7 @@ class SigtermHandler:
                  wall: Callable[[], float] = time.time, peer_lost: Callable[[], bool] | None = None) -> None:
         self.board, self.grace_s, self.boundary_s, self.wall = board, grace_s, boundary_s, wall
         self.peer_lost = peer_lost
-        """Whether the agent noted a lost member of the round (:func:`elastic_ft.spot.leave.peer_lost`):
+        """Whether the agent noted a lost member of the round (:func:`elastic_ft.handoff.leave_marker.peer_lost`):
         then no boundary can come (a collective waits for the lost peer), and SIGTERM ends the process at once."""
         self.received = threading.Event()
         """Set once SIGTERM arrived."""

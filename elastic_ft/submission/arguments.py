@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Tuple
 
 from torchx.specs.finder import ComponentValidationException
 
-from elastic_ft.names import check_name
+from elastic_ft.config.names import check_name
 from elastic_ft.submission.bash_line import BASH_START_VARIABLES, ENV_NAME
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")

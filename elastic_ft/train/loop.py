@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from elastic_ft import faults
+from elastic_ft.train import faults
 from elastic_ft.runevents import goodput
 from elastic_ft.runevents.node_identity import batch_node
 from elastic_ft.checkpoint.cache import CachedStore
@@ -34,7 +34,7 @@ from elastic_ft.runevents.events import joined_line
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import departure, precision, rng, run_lease, sharding
+from elastic_ft.train import peer_loss, precision, rng, run_lease, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -245,7 +245,7 @@ class Trainer(Saving):
         if self.plan.idle_ranks and w.is_leader:  # a join never ends the run: the ranks beyond the batch wait
             log.warning("batch: %s", idle_note(self.plan.idle_ranks, w.size, self.plan.global_batch))
         self.resume()
-        departure.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
+        peer_loss.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
         first = True
         try:
@@ -277,7 +277,7 @@ class Trainer(Saving):
         return summary
 
     def _inject_faults(self) -> None:
-        """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.faults`)."""
+        """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.train.faults`)."""
         inj = self.injector
         if not inj.faults:
             return

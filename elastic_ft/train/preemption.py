@@ -1,4 +1,7 @@
-"""The trainer's side of spot preemption: agree on notices at step boundaries, then act on the policy.
+"""The workers' side of spot preemption: agree on notices at step boundaries, then act on the policy.
+
+The agent's side is :mod:`elastic_ft.rendezvous.spot_leave`; what they exchange,
+:mod:`elastic_ft.handoff.leave_marker`.
 
 Every rank has a :class:`~elastic_ft.spot.watcher.Watcher` (IMDS) and a SIGTERM
 handler posting to its own notice board. At step boundaries about half a
@@ -30,10 +33,8 @@ from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
-from elastic_ft.spot.leave import (
-    RECLAIM_EXIT_CODE, LeaveMarker, leaving_nodes, marker_for_worker, peer_lost, write_marker,
-)
-from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide
+from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE, LeaveMarker, marker_for_worker, peer_lost, write_marker
+from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide, leaving_nodes
 from elastic_ft.spot.watcher import LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
 from elastic_ft.train.metrics import Metrics
 from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
@@ -52,9 +53,9 @@ smaller round at once, rather than waiting for a collective with the gone
 ranks to fail. With the etcd3 rendezvous they first write a marker that makes
 their agent restart them as for a change of membership, which costs none of
 ``--max-restarts``, and wait for it (:data:`RESTART_WAIT_S` at most). On the node that leaves, the workers
-first write the leave marker (:mod:`elastic_ft.spot.leave`): with the etcd3
+first write the leave marker (:mod:`elastic_ft.handoff.leave_marker`): with the etcd3
 rendezvous its agent then leaves the rendezvous instead of restarting them and
-exits with :data:`~elastic_ft.spot.leave.RECLAIM_EXIT_CODE` too. With another
+exits with :data:`~elastic_ft.handoff.leave_marker.RECLAIM_EXIT_CODE` too. With another
 rendezvous torchrun treats the exit as a failure (restarts the workers, which
 leave again while the notice stands, then exits 1 naming exit code 75).
 """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from elastic_ft import faults
+from elastic_ft.train import faults
 from elastic_ft.checkpoint.manifest import ManifestError
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, Skipped, load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.store import StoreError

@@ -52,6 +52,10 @@ class World:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def from_leader(self, value):
+        """:func:`broadcast_from_leader` as a method, for the layers below train that are handed a world."""
+        return broadcast_from_leader(self, value)
+
 
 def init_world(collective_timeout: timedelta | None = None) -> World:
     """Join the process group when launched by torchrun; a single process otherwise.

@@ -25,24 +25,15 @@ spec's check that it is installed, before any work.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 
 from elastic_ft.runevents.events import console_line
 from elastic_ft.runevents.schema import EventList, problem
 
-TENSORBOARD_EXTRA = "pip install 'elastic-ft[tensorboard]'"
 STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "world": "train/world"}
 
 log = logging.getLogger(__name__)
-
-
-def missing() -> str | None:
-    """Why ``logging.tensorboard: true`` cannot work here (its package is not installed), or None."""
-    if importlib.util.find_spec("tensorboard") is None:
-        return f"needs the tensorboard package, which is not installed: {TENSORBOARD_EXTRA}"
-    return None
 
 
 def _number(value) -> float | None:

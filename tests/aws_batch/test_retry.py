@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ft.aws_batch.retry import MAX_RULES, Action, decide, pattern_matches, retry_strategy
-from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
 from tests.aws_batch.conftest import dryrun, train_args
 
 SPOT_RECLAIM = "Host EC2 (instance i-0123456789abcdef0) terminated."

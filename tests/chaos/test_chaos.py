@@ -26,7 +26,7 @@ import time
 import pytest
 
 from elastic_ft.runevents.ledger import check_exactly_once, replay
-from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
 from tests.chaos.cluster import Cluster, chaos_plan, stall_bound
 from tests.e2e.conftest import train
 from tests.waiting import wait_until

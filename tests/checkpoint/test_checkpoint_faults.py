@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elastic_ft.checkpoint.digest import blob_sha256
-from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, manifest_key
+from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, ManifestForeign, manifest_key
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
 from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.checkpoint.local import LocalStore
@@ -275,9 +275,9 @@ def test_two_writers_racing_for_one_step_exactly_one_commits(race_store):
     assert assert_committed_blobs_intact(race_store) == [1, 2, 3, 4, 5]
 
 
-def test_format_1_checkpoint_with_plain_digests_still_loads(race_store):
-    # A checkpoint written before chunked digests (manifest format 1) must
-    # still resume a job after an upgrade.
+def test_format_1_checkpoint_is_refused_as_an_unsupported_format(race_store):
+    # Format 1 (whole-blob digests) is written by no elastic_ft since format 2: a run that holds one
+    # stops with one line naming it (nothing is retired or deleted), rather than training from scratch.
     snap = make_snap(3)
     m = CheckpointWriter(race_store, RUN).commit(snap)
     old = json.loads(m.to_json())
@@ -288,10 +288,9 @@ def test_format_1_checkpoint_with_plain_digests_still_loads(race_store):
     race_store.delete(m.key)
     race_store.put(m.key, json.dumps(old).encode(), if_absent=True)
 
-    loaded, skipped = load_newest(race_store, RUN)
-    assert skipped == [] and loaded.manifest.format == "elastic_ft.checkpoint/1"
-    assert torch.equal(loaded.tensors["model"]["w"], snap.tensors["model"]["w"])
-    assert assert_committed_blobs_intact(race_store) == [3]
+    with pytest.raises(ManifestForeign, match=r"'elastic_ft.checkpoint/1', an unsupported format"):
+        load_newest(race_store, RUN)
+    assert [o.key for o in race_store.list(MANIFEST_PREFIX)] == [m.key]
 
 
 # --------------------------------------------------------------------------- crash and corruption

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from elastic_ft.doctor import network
+from elastic_ft.preflight import network
 from tests.ports import free_port
 
 

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from elastic_ft.doctor import rendezvous
+from elastic_ft.preflight import versions as node_versions
 from tests.ports import free_port
 from tests.rendezvous.etcd_server import ROOT_PASSWORD
 
@@ -56,7 +57,7 @@ def test_rdzv_conf_is_parsed_as_torchrun_does():
 def _post(etcd, prefix: str, node: str, versions: dict) -> None:
     _, client = rendezvous.open_client(etcd.endpoint, {})
     try:
-        rendezvous.post_versions(client, prefix, node, versions)
+        node_versions.post_versions(client, prefix, node, versions)
     finally:
         client.close()
 
@@ -64,17 +65,17 @@ def _post(etcd, prefix: str, node: str, versions: dict) -> None:
 def _read(etcd, prefix: str) -> dict:
     _, client = rendezvous.open_client(etcd.endpoint, {})
     try:
-        return rendezvous.read_versions(client, prefix)
+        return node_versions.read_versions(client, prefix)
     finally:
         client.close()
 
 
 def test_versions_that_differ_between_two_posted_nodes_fail_naming_both(etcd, run_id):
     options, _ = rendezvous.open_client(etcd.endpoint, {})
-    prefix = rendezvous.versions_prefix(options.run_prefix(run_id))
+    prefix = node_versions.versions_prefix(options.run_prefix(run_id))
     _post(etcd, prefix, "node-a-1", V1)
     _post(etcd, prefix, "node-b-2", {**V1, "torch": "2.12.0", "nccl": "2.21.5"})
-    r = rendezvous.versions_result(_read(etcd, prefix))
+    r = node_versions.versions_result(_read(etcd, prefix))
     assert r.status == "FAIL", r.line()
     assert "torch: 2.13.0 on node-a-1; 2.12.0 on node-b-2" in r.found
     assert "nccl: none on node-a-1; 2.21.5 on node-b-2" in r.found
@@ -83,21 +84,21 @@ def test_versions_that_differ_between_two_posted_nodes_fail_naming_both(etcd, ru
 
 def test_versions_that_agree_pass_and_live_on_a_lease(etcd, run_id):
     options, client = rendezvous.open_client(etcd.endpoint, {})
-    prefix = rendezvous.versions_prefix(options.run_prefix(run_id))
+    prefix = node_versions.versions_prefix(options.run_prefix(run_id))
     assert prefix == f"/elastic_ft/rendezvous/{run_id}/doctor/versions/"
     try:
-        rendezvous.post_versions(client, prefix, "node-a-1", V1)
-        assert 0 < client.lease_remaining_ttl(client.lease_id) <= rendezvous.VERSIONS_TTL_S
+        node_versions.post_versions(client, prefix, "node-a-1", V1)
+        assert 0 < client.lease_remaining_ttl(client.lease_id) <= node_versions.VERSIONS_TTL_S
     finally:
         client.close()
     _post(etcd, prefix, "node-b-2", dict(V1))
-    r = rendezvous.versions_result(_read(etcd, prefix))
+    r = node_versions.versions_result(_read(etcd, prefix))
     assert r.status == "PASS" and r.found.startswith("2 node(s) agree: torch 2.13.0"), r.line()
 
 
 def test_versions_nothing_posted_skips():
-    assert rendezvous.versions_result({}).status == "SKIP"
+    assert node_versions.versions_result({}).status == "SKIP"
 
 
 def test_local_versions_have_every_field():
-    assert set(rendezvous.local_versions()) == set(rendezvous.FIELDS)
+    assert set(node_versions.local_versions()) == set(node_versions.FIELDS)

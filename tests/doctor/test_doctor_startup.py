@@ -6,7 +6,9 @@ import logging
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ft.doctor import rendezvous, startup
+from elastic_ft.doctor import rendezvous
+from elastic_ft.preflight import startup
+from elastic_ft.preflight import versions as node_versions
 from elastic_ft.rendezvous.handler import create_handler
 from tests.ports import free_port
 
@@ -15,17 +17,17 @@ OTHER = {"torch": "0.0.1", "cuda": "none", "nccl": "none", "elastic_ft": "0.0.0"
 
 def test_the_handler_posts_this_nodes_versions_and_warns_of_a_mismatch(etcd, run_id, caplog):
     options, client = rendezvous.open_client(etcd.endpoint, {})
-    prefix = rendezvous.versions_prefix(options.run_prefix(run_id))
-    rendezvous.post_versions(client, prefix, "old-node-1", OTHER)
+    prefix = node_versions.versions_prefix(options.run_prefix(run_id))
+    node_versions.post_versions(client, prefix, "old-node-1", OTHER)
     client.close()
-    caplog.set_level(logging.INFO, logger="elastic_ft.doctor")
+    caplog.set_level(logging.INFO, logger="elastic_ft.preflight")
     handler = create_handler(RendezvousParameters("etcd3", etcd.endpoint, run_id, 1, 2))
     try:
-        posted = rendezvous.read_versions(handler.etcd_client, prefix)
+        posted = node_versions.read_versions(handler.etcd_client, prefix)
     finally:
         handler.etcd_client.revoke_lease()
         handler.etcd_client.close()
-    assert set(posted) == {"old-node-1", rendezvous.node_name()}
+    assert set(posted) == {"old-node-1", node_versions.node_name()}
     lines = {r.getMessage().split()[3].rstrip(":"): r for r in caplog.records if "elastic-ft doctor" in r.getMessage()}
     assert lines["versions"].levelno == logging.WARNING and "old-node-1" in lines["versions"].getMessage()
     # etcd on 127.0.0.1: every node is on this machine, where a loopback hostname is right.

@@ -35,7 +35,7 @@ from elastic_ft.checkpoint.reader import load_newest
 from elastic_ft.checkpoint.sharded import is_sharded, load_sharded_full
 from elastic_ft.checkpoint.store import open_store
 from elastic_ft.runevents.events import read_events
-from elastic_ft.export import export
+from elastic_ft.train.export import export
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from tests.conftest import REPO, explain, process_env, torchrun
 

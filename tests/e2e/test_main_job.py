@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elastic_ft.runevents.events import read_events
-from elastic_ft.filemode import default_file_mode
+from elastic_ft.checkpoint.filemode import default_file_mode
 from elastic_ft.train.model import byte_tokenizer
 from tests.conftest import BIN, REPO, cli, explain, run
 

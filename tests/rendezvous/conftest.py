@@ -40,6 +40,6 @@ _run_ids = itertools.count()
 @pytest.fixture
 def run_id(request: pytest.FixtureRequest) -> str:
     """A run id unique within the session, readable in etcd dumps."""
-    # Run ids are checked (elastic_ft.names): keep to its character set and length.
+    # Run ids are checked (elastic_ft.config.names): keep to its character set and length.
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")[:80]
     return f"{name}-{os.getpid()}-{next(_run_ids)}"

@@ -23,9 +23,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic_ft.rendezvous.early_close import CloseWhenExpected, EarlyCloseExecutor, may_close, staying_members
+from elastic_ft.rendezvous.spot_leave import CloseWhenExpected, EarlyCloseExecutor, may_close, staying_members
 from elastic_ft.rendezvous.handler import create_handler
-from elastic_ft.spot.leave import LeaveMarker, write_marker
+from elastic_ft.handoff.leave_marker import LeaveMarker, write_marker
 
 from threads import run_in_threads
 

@@ -29,7 +29,7 @@ import pytest
 from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.spot.imds import ENDPOINT_ENV
-from elastic_ft.spot.leave import RECLAIM_EXIT_CODE
+from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC
 from tests.rendezvous.agents import Agent, child_env, stop_leftovers, wait_for
@@ -47,7 +47,7 @@ WAIT_S = 240.0  # generous bounds: CI's 2 cores are loaded
 # A stale heartbeat only after 1000 s: nothing here may wait for one.
 CONF = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=1000"
 # The notice test's last call: far longer than a round after a leave on a notice may take (it closes
-# once the node that stays is in, elastic_ft.rendezvous.early_close); the other rounds there reach max_nodes.
+# once the node that stays is in, elastic_ft.rendezvous.spot_leave); the other rounds there reach max_nodes.
 LONG_LAST_CALL_S = 30
 LEAVE_ACTIONS = ("checkpoint_and_leave", "flush_and_leave")
 

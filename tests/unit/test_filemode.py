@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from elastic_ft.filemode import FileTree, current_umask, default_file_mode
+from elastic_ft.checkpoint.filemode import FileTree, current_umask, default_file_mode
 
 
 @pytest.fixture

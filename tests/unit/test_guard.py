@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from elastic_ft import faults
+from elastic_ft.train import faults
 from elastic_ft.config import ConfigError, spec_from_dict
 from elastic_ft.train.guard import NonFiniteGuard
 

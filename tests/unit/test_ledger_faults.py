@@ -1,8 +1,8 @@
-"""The sample ledger (elastic_ft.runevents.ledger) and the fault spec (elastic_ft.faults)."""
+"""The sample ledger (elastic_ft.runevents.ledger) and the fault spec (elastic_ft.train.faults)."""
 
 import pytest
 
-from elastic_ft import faults
+from elastic_ft.train import faults
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import deal, take
 

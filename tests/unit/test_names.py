@@ -1,8 +1,8 @@
-"""Run ids and job names (elastic_ft.names): one path component, bounded length."""
+"""Run ids and job names (elastic_ft.config.names): one path component, bounded length."""
 
 import pytest
 
-from elastic_ft.names import MAX_NAME_LENGTH, InvalidName, check_name, name_problem
+from elastic_ft.config.names import MAX_NAME_LENGTH, InvalidName, check_name, name_problem
 
 
 @pytest.mark.parametrize("name", ["a", "tiny-lora", "run.2026-01-01_a", "0" * MAX_NAME_LENGTH, "A..B"])

@@ -120,7 +120,7 @@ def test_a_sharded_lora_checkpoint_exports_an_adapter_peft_loads(gloo_rank, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from elastic_ft.export import export
+    from elastic_ft.train.export import export
 
     done = run(gloo_rank, tmp_path, "lora", 3, *LORA)
     assert done.sharded

@@ -129,13 +129,6 @@ class EtcdClient:
         """The keys under ``prefix``, in byte order, without reading their values."""
         return self._failover.call("list", lambda s: kv.keys_under(s, prefix))
 
-    def wait_for_key(self, key: str, deadline: float) -> KeyValue | None:
-        """Block until ``key`` exists, through an etcd watch; ``None`` at ``deadline``.
-
-        ``deadline`` is a :func:`time.monotonic` value; see :mod:`.watch`.
-        """
-        return self.wait_for_keys([key], deadline)[0]
-
     def wait_for_keys(self, keys: Sequence[str], deadline: float) -> list[KeyValue | None]:
         """Block until every key exists, through one etcd watch; their values, in order.
 

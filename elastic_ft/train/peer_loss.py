@@ -1,8 +1,9 @@
-"""The one line every surviving node prints when the job resumes after a node left.
+"""The workers' side of a lost node: the one line every surviving node prints when the job resumes,
+and the one line for a collective that failed because a peer is gone.
 
 The etcd3 rendezvous handler runs in each node's torchrun agent. When a round
 forms without a node of the previous one, it puts why into the agent's
-environment (:data:`LOST_NODES_ENV`), which the workers it starts next
+environment (:data:`~elastic_ft.handoff.lost_nodes.LOST_NODES_ENV`), which the workers it starts next
 inherit: the agent knows which node left and why, the workers know from which
 step and at which world the job resumes. :func:`announce` joins the two into
 one event (the leader's ``events.jsonl``) and one log line per node (its
@@ -16,8 +17,7 @@ import os
 import re
 from typing import Mapping
 
-LOST_NODES_ENV = "ELASTIC_FT_LOST_NODES"
-"""Set by the agent for the workers of a round that follows a lost node: which node(s) and why."""
+from elastic_ft.handoff.lost_nodes import LOST_NODES_ENV
 
 log = logging.getLogger(__name__)
 

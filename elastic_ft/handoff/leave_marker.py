@@ -1,5 +1,8 @@
 """A node's leave on a spot notice: the marker its workers write and its torchrun agent reads.
 
+The protocol both sides share (the agent's side: :mod:`elastic_ft.rendezvous.spot_leave`;
+the workers': :mod:`elastic_ft.train.preemption`).
+
 torchrun counts any nonzero worker exit as a failure: it would restart the
 workers of a node that was told to go (they see the notice still standing and
 leave again, costing every node a new round each time), and exit 1 in the end.
@@ -10,10 +13,15 @@ it, so the other nodes form a smaller round at once) and ends the agent with
 :data:`RECLAIM_EXIT_CODE`.
 
 The marker's path is chosen by the agent when it builds its handler and handed
-to the workers in :data:`LEAVE_FILE_ENV`: it names the run id, the agent's pid
-and a fresh nonce, never a rank, so a marker left by an earlier agent (a node
-restarted with the same command, a crash before the agent read it) can never
-make a new agent leave.
+to the workers in :data:`LEAVE_FILE_ENV`: a file named for the run id and the
+agent's pid in a directory of the agent's own, made by ``tempfile.mkdtemp``
+(mode 0700, a fresh random name), never a rank. So a marker left by an
+earlier agent (a node restarted with the same command, a crash before the
+agent read it) can never make a new agent leave, and no other local user can
+plant a marker, or a symlink that a write would follow, where an agent looks
+(a shared, predictable ``/tmp`` directory allowed both). Every write goes
+through a fresh ``mkstemp`` file renamed into place, and reads do not follow
+a symlink.
 
 The nodes that stay write a marker too, flagged :attr:`LeaveMarker.stays`:
 their agent then restarts their workers in a new round as for a node that
@@ -36,16 +44,15 @@ only where it is exiting anyway (:func:`honoured`), never at a new round.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import stat
 import tempfile
-import uuid
 from dataclasses import dataclass
-from typing import Iterable, Mapping
-
-from elastic_ft.spot.watcher import LEVEL_LEAVE
+from typing import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +85,55 @@ class LeaveMarker:
     """Written by the workers of a node that stays while others leave: its agent restarts them (see above)."""
     leaving: tuple[int, ...] = ()
     """In a marker that stays: the ranks in the round (``GROUP_RANK``) of the nodes that leave, so that the
-    next round closes once the others are in (:mod:`elastic_ft.rendezvous.early_close`)."""
+    next round closes once the others are in (:mod:`elastic_ft.rendezvous.spot_leave`)."""
 
 
 def _file_name_part(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
 
 
+DIR_PREFIX = "elastic_ft-leave-"
+
+
 def marker_path(run_id: str, *, root: str | None = None) -> str:
-    """A fresh marker path for one agent of ``run_id`` (its pid and a nonce: unique on this host)."""
-    directory = os.path.join(root or tempfile.gettempdir(), "elastic_ft-leave")
-    return os.path.join(directory, f"{_file_name_part(run_id)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.json")
+    """A fresh marker path for one agent of ``run_id``, in a new private directory (0700, random name).
+
+    ``root``: where the directory is made (default: the system's temporary
+    directory). The caller removes the directory when it is done
+    (:func:`remove_marker_dir`).
+    """
+    directory = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=root)
+    return os.path.join(directory, f"{_file_name_part(run_id)}.{os.getpid()}.json")
 
 
-_MARKER_NAME = re.compile(r"^(.*)\.(\d+)\.[0-9a-f]{12}\.json$")
+def remove_marker_dir(path: str) -> None:
+    """Remove the marker at ``path``, its lost note, any temp file and the directory :func:`marker_path` made."""
+    directory = os.path.dirname(path)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError as exc:  # a file written meanwhile: a few bytes left in the temporary directory
+        log.debug("spot: could not remove %s (%s)", directory, exc)
+
+
+_MARKER_NAME = re.compile(r"^(.*)\.(\d+)\.json$")
+
+
+def _private_dir(directory: str) -> bool:
+    """Whether ``directory`` is a real directory (not a symlink) of this user that no one else may enter."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0
 
 
 def marker_for_worker(environ: Mapping[str, str], parent_pid: int) -> str | None:
@@ -101,38 +143,57 @@ def marker_for_worker(environ: Mapping[str, str], parent_pid: int) -> str | None
     by processes that are not its workers (a process that built a handler
     itself, as a test runner does, may start others): only a direct child of
     the agent named in the path, started by torchrun for the same run id
-    (``TORCHELASTIC_RUN_ID``), may make that agent leave.
+    (``TORCHELASTIC_RUN_ID``), may make that agent leave, and only through a
+    private directory of this user (as :func:`marker_path` makes it).
     """
     path = environ.get(LEAVE_FILE_ENV)
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     m = _MARKER_NAME.match(os.path.basename(path or ""))
     if m is None or run_id is None or m.group(1) != _file_name_part(run_id) or int(m.group(2)) != parent_pid:
         return None
+    if not _private_dir(os.path.dirname(path)):
+        log.warning("spot: ignoring %s=%s: its directory is not a private directory of this user",
+                    LEAVE_FILE_ENV, path)
+        return None
     return path
 
 
 def write_marker(path: str, marker: LeaveMarker) -> None:
-    """Write the marker atomically (temp file + rename): the agent never reads half of it.
+    """Write the marker atomically (a fresh temp file + rename): the agent never reads half of it.
 
     Several workers of one node may write it; each writes the same content.
+    The temp file is made by ``mkstemp`` (a new random name, ``O_EXCL``: never
+    an existing file or a symlink) and renamed over ``path`` (a rename replaces
+    a symlink there, it does not follow it). The directory must exist (the
+    agent made it).
     """
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"kind": marker.kind, "step": marker.step, "stays": marker.stays, "leaving": list(marker.leaving)},
-                  f)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".marker-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"kind": marker.kind, "step": marker.step, "stays": marker.stays,
+                       "leaving": list(marker.leaving)}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        clear_marker(tmp)
+        raise
 
 
 def read_marker(path: str) -> LeaveMarker | None:
-    """The marker at ``path``, or None when there is none (or it cannot be read: then logged, and no leave)."""
+    """The marker at ``path``, or None when there is none (or it cannot be read, or is a symlink: then
+    logged, and no leave)."""
     try:
-        with open(path) as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        why = "a symlink" if exc.errno == errno.ELOOP else exc
+        log.warning("spot: ignoring the leave marker %s (%s)", path, why)
+        return None
+    try:
+        with os.fdopen(fd) as f:
             doc = json.load(f)
         return LeaveMarker(kind=str(doc["kind"]), step=int(doc["step"]), stays=doc.get("stays") is True,
                            leaving=tuple(int(r) for r in doc.get("leaving", ())))
-    except FileNotFoundError:
-        return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("spot: ignoring the unreadable leave marker %s (%s)", path, exc)
         return None
@@ -152,17 +213,15 @@ def lost_note(leave_file: str) -> str:
 
 def note_peer_lost(leave_file: str) -> None:
     """The agent is about to restart its workers because a member is lost: tell them (before the SIGTERM)."""
-    try:
-        os.makedirs(os.path.dirname(leave_file), exist_ok=True)
-        with open(lost_note(leave_file), "w"):
-            pass
+    try:  # never through a symlink; the directory is the agent's own (see marker_path)
+        os.close(os.open(lost_note(leave_file), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
     except OSError as exc:  # the workers then wait for a boundary, as without the note
         log.warning("spot: could not write %s (%s)", lost_note(leave_file), exc)
 
 
 def peer_lost(leave_file: str) -> bool:
     """Whether the agent noted a lost member since the current round began."""
-    return os.path.exists(lost_note(leave_file))
+    return os.path.lexists(lost_note(leave_file))
 
 
 def honoured(marker: LeaveMarker | None, where: str) -> bool:
@@ -175,14 +234,3 @@ def honoured(marker: LeaveMarker | None, where: str) -> bool:
     if marker is None or marker.stays:
         return False
     return where == AT_EXIT or marker.kind != "sigterm"
-
-
-def leaving_nodes(reports: Iterable[tuple[str, Iterable[int]]]) -> frozenset[str]:
-    """The nodes that leave: those where any rank holds a notice of level ``leave``.
-
-    ``reports`` holds one ``(node, notice levels)`` per rank; ``node`` is the
-    rank's ``GROUP_RANK`` (its agent's rank in the round). A notice reaches
-    every process of a node (each polls IMDS; the agent forwards SIGTERM), but
-    not at the same instant: one rank's is enough.
-    """
-    return frozenset(node for node, levels in reports if any(level >= LEVEL_LEAVE for level in levels))

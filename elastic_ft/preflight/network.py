@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Mapping, Sequence
 
-from elastic_ft.doctor.report import Result
+from elastic_ft.preflight.report import Result
 
 SYS_NET = "/sys/class/net"
 IFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -21,7 +21,7 @@ from elastic_ft.checkpoint.reader import load_blobs, load_newest, read_manifest
 from elastic_ft.checkpoint.sharded import is_sharded, load_sharded_full
 from elastic_ft.checkpoint.store import StoreError, open_store
 from elastic_ft.config import spec_from_dict
-from elastic_ft.filemode import FileTree
+from elastic_ft.checkpoint.filemode import FileTree
 from elastic_ft.train import model as model_mod
 
 

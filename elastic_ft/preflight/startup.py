@@ -15,8 +15,8 @@ import logging
 import os
 from typing import Any, Mapping, Sequence
 
-from elastic_ft.doctor import network, rendezvous
-from elastic_ft.doctor.report import Result
+from elastic_ft.preflight import network, versions
+from elastic_ft.preflight.report import Result
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ def startup_results(client: Any, run_prefix: str, max_nodes: int, etcd_hosts: Se
     # etcd on loopback: every node is on this machine (a rehearsal), where loopback is the right address.
     remote = not all(_loopback(h) for h in etcd_hosts)
     results = [network.check_hostname(None, remote), *network.check_interfaces(environ, remote)]
-    prefix = rendezvous.versions_prefix(run_prefix)
+    prefix = versions.versions_prefix(run_prefix)
     try:
-        rendezvous.post_versions(client, prefix, rendezvous.node_name(), rendezvous.local_versions())
-        results.append(rendezvous.versions_result(rendezvous.read_versions(client, prefix)))
+        versions.post_versions(client, prefix, versions.node_name(), versions.local_versions())
+        results.append(versions.versions_result(versions.read_versions(client, prefix)))
     except Exception as exc:  # etcd trouble shows in the rendezvous itself, with its own message
         results.append(Result("WARN", "versions", f"could not post or read the nodes' versions: {exc}"))
     return results

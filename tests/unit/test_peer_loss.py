@@ -8,8 +8,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.rendezvous.lifecycle import departed
-from elastic_ft.spot.leave import LeaveMarker
-from elastic_ft.train.departure import LOST_NODES_ENV, announce, collective_failure
+from elastic_ft.handoff.leave_marker import LeaveMarker
+from elastic_ft.handoff.lost_nodes import LOST_NODES_ENV
+from elastic_ft.train.peer_loss import announce, collective_failure
 
 A, B = _NodeDesc("host", 1, 0), _NodeDesc("host", 2, 0)
 
