@@ -27,6 +27,13 @@ hours with no checkpoint. A snapshot holding NaN or infinite values is never
 committed, and stops the run the same way at once (training cannot repair it).
 Every wait is bounded by ``timeout_s`` (:class:`SaveTimeout`). The worker
 thread survives anything its callbacks raise.
+
+A run that ends on an error closes its saver with ``abandon``
+(:meth:`AsyncSaver.close`): the save in flight is given up rather than waited
+for, since a peer that died mid-save would hold the wait for up to
+``timeout_s`` (and the background group's timeout). Nothing of it is
+committed (the leader writes no manifest after that), retries stop, and
+closing takes :data:`ABANDON_WAIT_S` at most.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tenso
 
 log = logging.getLogger(__name__)
 
+ABANDON_WAIT_S = 2.0
+"""How long :meth:`AsyncSaver.close` with ``abandon`` waits for the worker thread to stop: long enough for
+one that was only backing off or waiting for a peer that is gone (both end at once), far shorter than a
+stuck upload or collective, which is left to the process exit (the thread is a daemon)."""
+
 
 class SaveFailed(RuntimeError):
     """A checkpoint was not committed; the message says which step and why."""
@@ -62,6 +74,10 @@ class SavesFailing(SaveFailed):
 
 class SaveTimeout(SaveFailed):
     """A save did not finish within the saver's ``timeout_s``."""
+
+
+class SaveAbandoned(SaveFailed):
+    """The save was given up because the run ends on an error (:meth:`AsyncSaver.close` with ``abandon``)."""
 
 
 def nonfinite_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
@@ -110,6 +126,7 @@ class AsyncSaver:
         self._error: SaveFailed | None = None  # the newest save's failure, until flush() raises it
         self._stop: SaveFailed | None = None  # a refused snapshot: the run cannot go on
         self._timed_out = False
+        self._abandoned = threading.Event()  # set by close(abandon=True): give up the save in flight
         self.failed_in_row = 0
         """Saves that failed since the last commit."""
         self.last_failure: SaveFailed | None = None
@@ -159,19 +176,40 @@ class AsyncSaver:
             err, self._error = self._error, None
             raise err
 
-    def close(self) -> None:
-        """Wait (bounded) for the save in flight, then stop the worker thread (errors stay for :meth:`flush`).
+    def close(self, *, abandon: bool = False) -> bool:
+        """Stop the worker thread (errors stay for :meth:`flush`); whether it stopped. Never raises: it runs
+        while the run ends, perhaps on an error of its own.
 
-        Never raises: it runs while the run ends, perhaps on an error of its own.
-        After a timeout the stuck (daemon) thread is left behind for the process exit to end.
+        By default the save in flight is waited for (``timeout_s`` at most), so it commits: a run that
+        finished, or that left on a spot notice, has flushed it already. ``abandon`` (the run ends on an
+        error): it is given up instead, and closing takes :data:`ABANDON_WAIT_S` at most. Retries stop and
+        their backoff ends, no upload starts, and the leader commits no manifest from here on, so nothing
+        of the save is committed; its blobs are orphans for retention. A thread still inside an upload or
+        a collective (a peer gone silent) is left behind, a daemon, for the process exit to end.
         """
-        if self._timed_out or not self._idle.wait(self.timeout_s):
+        if abandon:
+            self._abandoned.set()
+            if self.busy:
+                log.warning("checkpoint saver: giving up the save of step %s in flight, as the run ends on an "
+                            "error; nothing of it is committed", self._step)
+        wait_s = min(self.timeout_s, ABANDON_WAIT_S) if abandon else self.timeout_s
+        if self._timed_out or not self._idle.wait(wait_s):
             log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
-            return
+            return False
         if self._worker is not None:
             self._jobs.put(None)
-            self._worker.join(self.timeout_s)
+            self._worker.join(wait_s)
+            if self._worker.is_alive():
+                return False
             self._worker = None
+        return True
+
+    def _give_up_if_abandoned(self, snap: Snapshot) -> None:
+        """Raise :class:`SaveAbandoned` once :meth:`close` gave the save up (checked before each upload
+        attempt and before the manifest)."""
+        if self._abandoned.is_set():
+            raise SaveAbandoned(f"checkpoint of step {snap.step} not committed: abandoned, as the run ends on "
+                                f"an error")
 
     def _check(self) -> None:
         if self._stop is not None:
@@ -221,6 +259,8 @@ class AsyncSaver:
             self._callback("on_error", snap.step, self.on_error, snap, exc)
 
     def _callback(self, name: str, step: int, fn: Callable, *args) -> None:
+        if self._abandoned.is_set():  # the run is closing what the callbacks report to (its events)
+            return
         try:
             fn(*args)
         except Exception as exc:  # the save's outcome stands: report, and keep the thread for the next save
@@ -228,9 +268,15 @@ class AsyncSaver:
             self.callback_failures.append(f"{name} for step {step}: {type(exc).__name__}: {exc}")
 
     def _upload(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
+        def attempt() -> dict[str, BlobRef]:
+            self._give_up_if_abandoned(snap)
+            return self.writer.upload_part(snap, nonce, part=self.rank, parts=self.world_size)
+
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.part_attempts),
             wait=tenacity.wait_exponential(multiplier=0.5, max=8),
+            # A backoff ends at once when the save is abandoned (the next attempt then gives up).
+            sleep=self._abandoned.wait,
             retry=tenacity.retry_if_exception_type(StoreError),
             before_sleep=lambda rs: log.warning(
                 "checkpoint step %d part %d/%d: attempt %d failed (%s); retrying", snap.step, self.rank,
@@ -238,7 +284,7 @@ class AsyncSaver:
             ),
             reraise=True,
         )
-        return retrying(self.writer.upload_part, snap, nonce, part=self.rank, parts=self.world_size)
+        return retrying(attempt)
 
     def _upload_checked(self, snap: Snapshot, nonce: str) -> tuple[dict[str, BlobRef], str | None, bool]:
         """This rank's part: (blob refs, problem, whether the problem is non-finite state).
@@ -257,7 +303,12 @@ class AsyncSaver:
                 return {}, f"{where}: non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}", True
             return self._upload(snap, nonce), None, False
         except Exception as exc:  # reported after the parts are gathered, the same on every rank
-            return {}, f"{where}: {type(exc).__name__}: {exc}", False
+            problem = f"{where}: {type(exc).__name__}: {exc}"
+            # The problem travels as a line (to every rank, into the save's error); where it came from
+            # stays in this rank's log.
+            log.info("checkpoint step %d %s", snap.step, problem)
+            log.debug("checkpoint step %d %s: traceback", snap.step, where, exc_info=exc)
+            return {}, problem, False
 
     def _save(self, snap: Snapshot, nonce: str) -> Manifest | None:
         """Upload, gather, commit: the manifest on the leader (None elsewhere), or the failure on every rank."""
@@ -274,6 +325,7 @@ class AsyncSaver:
     def _save_parts(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
         """Replicated state: each rank uploads its part; every blob on the leader ({} elsewhere)."""
         gathered = self._gather(self._upload_checked(snap, nonce))
+        self._give_up_if_abandoned(snap)  # after the gather, which every rank makes
         _raise_problems(snap, [(p, nonfinite) for _, p, nonfinite in gathered],
                         f"after {self.part_attempts} attempt(s) per part")
         blobs: dict[str, BlobRef] = {}
@@ -311,7 +363,8 @@ class AsyncSaver:
             problem = f"{where}: {type(exc).__name__}: {exc}"
         _raise_problems(snap, self._gather((problem, nonfinite)), "")
         try:
-            return save_sharded(self.writer, snap, nonce, self.group, attempts=self.part_attempts)
+            return save_sharded(self.writer, snap, nonce, self.group, attempts=self.part_attempts,
+                                abandoned=self._abandoned)
         except ShardedCheckpointError as exc:
             raise SaveFailed(f"checkpoint of step {snap.step} not committed: {exc}") from exc
 
@@ -324,6 +377,7 @@ class AsyncSaver:
                     # DCP's coordinator is the group's rank 0: this saver's rank must be that rank.
                     raise ValueError("this saver's rank 0 is not rank 0 of its process group, so it does not hold "
                                      "the sharded save's blobs; give AsyncSaver each rank's rank within its group")
+                self._give_up_if_abandoned(snap)
                 if self.before_commit is not None:
                     self.before_commit(snap)
                 manifest = self.writer.commit_manifest(snap, blobs)
