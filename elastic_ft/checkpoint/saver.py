@@ -192,12 +192,19 @@ class AsyncSaver:
             if self.busy:
                 log.warning("checkpoint saver: giving up the save of step %s in flight, as the run ends on an "
                             "error; nothing of it is committed", self._step)
+            if self._worker is not None:  # it ends once the save in flight gives up, even after we return
+                self._jobs.put(None)
         wait_s = min(self.timeout_s, ABANDON_WAIT_S) if abandon else self.timeout_s
         if self._timed_out or not self._idle.wait(wait_s):
-            log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
+            if abandon:  # inside an upload or a collective, which no flag interrupts
+                log.warning("checkpoint saver: the given-up save of step %s is still inside an upload or a "
+                            "collective; leaving its thread to end with the process", self._step)
+            else:
+                log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
             return False
         if self._worker is not None:
-            self._jobs.put(None)
+            if not abandon:
+                self._jobs.put(None)
             self._worker.join(wait_s)
             if self._worker.is_alive():
                 return False
@@ -212,6 +219,8 @@ class AsyncSaver:
                                 f"an error")
 
     def _check(self) -> None:
+        if self._abandoned.is_set():
+            raise SaveAbandoned("the checkpoint saver was closed, giving its save up: it saves no more")
         if self._stop is not None:
             raise SavesFailing(str(self._stop)) from self._stop
         if self.failed_in_row >= self.max_failed_saves:
