@@ -33,6 +33,7 @@ from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.saver import AsyncSaver
 from elastic_ft.checkpoint.store import StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
+from elastic_ft.train.world import exit_process
 
 SAVE_TIMEOUT_S = 600.0
 
@@ -84,6 +85,7 @@ def main(rank: int, root: str, mode: str) -> None:
               "saver_threads": [t.name for t in threading.enumerate() if t.name == "ckpt-saver"]}
     with open(os.path.join(root, "rank0.json"), "w") as f:
         json.dump(result, f)
+    exit_process(0)  # as a worker ends: never through the interpreter's finalization
 
 
 if __name__ == "__main__":
