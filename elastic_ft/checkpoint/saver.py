@@ -28,12 +28,9 @@ committed, and stops the run the same way at once (training cannot repair it).
 Every wait is bounded by ``timeout_s`` (:class:`SaveTimeout`). The worker
 thread survives anything its callbacks raise.
 
-A run that ends on an error closes its saver with ``abandon``
-(:meth:`AsyncSaver.close`): the save in flight is given up rather than waited
-for, since a peer that died mid-save would hold the wait for up to
-``timeout_s`` (and the background group's timeout). Nothing of it is
-committed (the leader writes no manifest after that), retries stop, and
-closing takes :data:`ABANDON_WAIT_S` at most.
+A run that ends on an error closes its saver with ``abandon``: the save in
+flight is given up (a peer that died mid-save would hold the wait for
+``timeout_s``), nothing of it committed, in :data:`ABANDON_WAIT_S` at most.
 """
 
 from __future__ import annotations
@@ -55,9 +52,8 @@ from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot, shard_tenso
 log = logging.getLogger(__name__)
 
 ABANDON_WAIT_S = 2.0
-"""How long :meth:`AsyncSaver.close` with ``abandon`` waits for the worker thread to stop: long enough for
-one that was only backing off or waiting for a peer that is gone (both end at once), far shorter than a
-stuck upload or collective, which is left to the process exit (the thread is a daemon)."""
+"""How long ``close(abandon=True)`` waits for the thread: a backoff or a gone peer's collective ends at
+once; a stuck upload or collective does not, and is left to the process exit (a daemon thread)."""
 
 
 class SaveFailed(RuntimeError):
@@ -177,30 +173,24 @@ class AsyncSaver:
             raise err
 
     def close(self, *, abandon: bool = False) -> bool:
-        """Stop the worker thread (errors stay for :meth:`flush`); whether it stopped. Never raises: it runs
-        while the run ends, perhaps on an error of its own.
+        """Stop the worker thread (errors stay for :meth:`flush`); whether it stopped. Never raises.
 
-        By default the save in flight is waited for (``timeout_s`` at most), so it commits: a run that
-        finished, or that left on a spot notice, has flushed it already. ``abandon`` (the run ends on an
-        error): it is given up instead, and closing takes :data:`ABANDON_WAIT_S` at most. Retries stop and
-        their backoff ends, no upload starts, and the leader commits no manifest from here on, so nothing
-        of the save is committed; its blobs are orphans for retention. A thread still inside an upload or
-        a collective (a peer gone silent) is left behind, a daemon, for the process exit to end.
+        The save in flight is waited for (``timeout_s`` at most) and commits. ``abandon`` (the run ends
+        on an error): it is given up, in :data:`ABANDON_WAIT_S` at most: retries and their backoff stop,
+        no upload starts, the leader commits no manifest (its blobs are orphans for retention), no
+        callback runs, and the saver saves no more. A thread inside an upload or a collective is left.
         """
         if abandon:
             self._abandoned.set()
             if self.busy:
-                log.warning("checkpoint saver: giving up the save of step %s in flight, as the run ends on an "
-                            "error; nothing of it is committed", self._step)
+                log.warning("checkpoint saver: giving up the save of step %s in flight (the run ends on an error)",
+                            self._step)
             if self._worker is not None:  # it ends once the save in flight gives up, even after we return
                 self._jobs.put(None)
         wait_s = min(self.timeout_s, ABANDON_WAIT_S) if abandon else self.timeout_s
-        if self._timed_out or not self._idle.wait(wait_s):
-            if abandon:  # inside an upload or a collective, which no flag interrupts
-                log.warning("checkpoint saver: the given-up save of step %s is still inside an upload or a "
-                            "collective; leaving its thread to end with the process", self._step)
-            else:
-                log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
+        if self._timed_out or not self._idle.wait(wait_s):  # inside an upload or a collective: no flag ends it
+            log.log(logging.WARNING if abandon else logging.ERROR, "checkpoint saver: the save of step %s is "
+                    "still in flight; not waiting for it", self._step)
             return False
         if self._worker is not None:
             if not abandon:
@@ -212,11 +202,9 @@ class AsyncSaver:
         return True
 
     def _give_up_if_abandoned(self, snap: Snapshot) -> None:
-        """Raise :class:`SaveAbandoned` once :meth:`close` gave the save up (checked before each upload
-        attempt and before the manifest)."""
+        """Raise :class:`SaveAbandoned` once :meth:`close` gave the save up."""
         if self._abandoned.is_set():
-            raise SaveAbandoned(f"checkpoint of step {snap.step} not committed: abandoned, as the run ends on "
-                                f"an error")
+            raise SaveAbandoned(f"checkpoint of step {snap.step} not committed: abandoned, the run ends on an error")
 
     def _check(self) -> None:
         if self._abandoned.is_set():
@@ -284,8 +272,7 @@ class AsyncSaver:
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.part_attempts),
             wait=tenacity.wait_exponential(multiplier=0.5, max=8),
-            # A backoff ends at once when the save is abandoned (the next attempt then gives up).
-            sleep=self._abandoned.wait,
+            sleep=self._abandoned.wait,  # a backoff ends at once when the save is abandoned
             retry=tenacity.retry_if_exception_type(StoreError),
             before_sleep=lambda rs: log.warning(
                 "checkpoint step %d part %d/%d: attempt %d failed (%s); retrying", snap.step, self.rank,
@@ -313,8 +300,7 @@ class AsyncSaver:
             return self._upload(snap, nonce), None, False
         except Exception as exc:  # reported after the parts are gathered, the same on every rank
             problem = f"{where}: {type(exc).__name__}: {exc}"
-            # The problem travels as a line (to every rank, into the save's error); where it came from
-            # stays in this rank's log.
+            # The line goes to every rank, into the save's error; the traceback stays in this rank's log.
             log.info("checkpoint step %d %s", snap.step, problem)
             log.debug("checkpoint step %d %s: traceback", snap.step, where, exc_info=exc)
             return {}, problem, False
