@@ -92,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def finish(code: int) -> None:
-    """End the process with ``code``; at once, without the interpreter's teardown, after a leave on a
-    notice (75: the state is committed and the files are closed; see :func:`~elastic_ft.train.world.exit_process`)."""
-    from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE
-    from elastic_ft.train.world import exit_process  # bounded, also after a settle() that timed out
+    """End the process with ``code``, without the interpreter's finalization (see
+    :func:`~elastic_ft.train.world.exit_process`: it races gloo's threads, and waits for a timed-out barrier)."""
+    from elastic_ft.train.world import exit_process
 
-    exit_process(code, fast=code == RECLAIM_EXIT_CODE)
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import uuid
 import warnings
 from typing import Any
@@ -49,9 +50,11 @@ class StoreWriter(StorageWriter):
     """
 
     def __init__(self, writer: CheckpointWriter, step: int, nonce: str, documents: dict[str, Any], *,
-                 attempts: int = 1) -> None:
+                 attempts: int = 1, abandoned: threading.Event | None = None) -> None:
         super().__init__()
         self.writer, self.documents, self.attempts = writer, documents, attempts
+        # Set when the save is given up (the run ends on an error): no put starts, a backoff ends at once.
+        self.abandoned = abandoned or threading.Event()
         self.prefix = f"{BLOB_PREFIX}{step:012d}-{nonce}/"
         self.is_coordinator = False
         self.blobs: dict[str, BlobRef] = {}
@@ -125,14 +128,19 @@ class StoreWriter(StorageWriter):
     def _put(self, key: str, data: Any) -> BlobRef:
         # One blob's put is this rank's own business (no collective inside), so it
         # is safe to retry here; the save as a whole is collective and is not.
+        def attempt() -> BlobRef:
+            if self.abandoned.is_set():
+                raise RuntimeError(f"put of {key} not started: the save was abandoned, as the run ends on an error")
+            return self.writer.put_blob(key, data)
+
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max(1, self.attempts)),
-            wait=tenacity.wait_exponential(multiplier=0.5, max=8),
+            wait=tenacity.wait_exponential(multiplier=0.5, max=8), sleep=self.abandoned.wait,
             retry=tenacity.retry_if_exception_type(StoreError), reraise=True,
             before_sleep=lambda rs: log.warning("sharded checkpoint: put of %s failed (attempt %d: %s); retrying",
                                                 key, rs.attempt_number, rs.outcome.exception()),
         )
-        return retrying(self.writer.put_blob, key, data)
+        return retrying(attempt)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

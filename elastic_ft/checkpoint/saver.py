@@ -30,6 +30,10 @@ so does a manifest refused because another writer holds the run
 step first): retrying cannot help, and the run must not go on beside it.
 Every wait is bounded by ``timeout_s`` (:class:`SaveTimeout`). The worker
 thread survives anything its callbacks raise.
+
+A run that ends on an error closes its saver with ``abandon``: the save in
+flight is given up (a peer that died mid-save would hold the wait for
+``timeout_s``), nothing of it committed, in :data:`ABANDON_WAIT_S` at most.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, S
 
 log = logging.getLogger(__name__)
 
+ABANDON_WAIT_S = 2.0
+"""How long ``close(abandon=True)`` waits for the thread: a backoff or a gone peer's collective ends at
+once; a stuck upload or collective does not, and is left to the process exit (a daemon thread)."""
+
 
 class SaveFailed(RuntimeError):
     """A checkpoint was not committed; the message says which step and why."""
@@ -70,6 +78,10 @@ class SaveTimeout(SaveFailed):
 
 class WriterFenced(SaveFailed):
     """Another writer holds the run (this writer's lease was lost, or its manifest conflicted): stop the run."""
+
+
+class SaveAbandoned(SaveFailed):
+    """The save was given up because the run ends on an error (:meth:`AsyncSaver.close` with ``abandon``)."""
 
 
 def nonfinite_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
@@ -118,6 +130,7 @@ class AsyncSaver:
         self._error: SaveFailed | None = None  # the newest save's failure, until flush() raises it
         self._stop: SaveFailed | None = None  # a refused snapshot: the run cannot go on
         self._timed_out = False
+        self._abandoned = threading.Event()  # set by close(abandon=True): give up the save in flight
         self.failed_in_row = 0
         """Saves that failed since the last commit."""
         self.last_failure: SaveFailed | None = None
@@ -167,21 +180,43 @@ class AsyncSaver:
             err, self._error = self._error, None
             raise err
 
-    def close(self) -> None:
-        """Wait (bounded) for the save in flight, then stop the worker thread (errors stay for :meth:`flush`).
+    def close(self, *, abandon: bool = False) -> bool:
+        """Stop the worker thread (errors stay for :meth:`flush`); whether it stopped. Never raises.
 
-        Never raises: it runs while the run ends, perhaps on an error of its own.
-        After a timeout the stuck (daemon) thread is left behind for the process exit to end.
+        The save in flight is waited for (``timeout_s`` at most) and commits. ``abandon`` (the run ends
+        on an error): it is given up, in :data:`ABANDON_WAIT_S` at most: retries and their backoff stop,
+        no upload starts, the leader commits no manifest (its blobs are orphans for retention), no
+        callback runs, and the saver saves no more. A thread inside an upload or a collective is left.
         """
-        if self._timed_out or not self._idle.wait(self.timeout_s):
-            log.error("checkpoint saver: the save of step %s is still in flight; not waiting for it", self._step)
-            return
+        if abandon:
+            self._abandoned.set()
+            if self.busy:
+                log.warning("checkpoint saver: giving up the save of step %s in flight (the run ends on an error)",
+                            self._step)
+            if self._worker is not None:  # it ends once the save in flight gives up, even after we return
+                self._jobs.put(None)
+        wait_s = min(self.timeout_s, ABANDON_WAIT_S) if abandon else self.timeout_s
+        if self._timed_out or not self._idle.wait(wait_s):  # inside an upload or a collective: no flag ends it
+            log.log(logging.WARNING if abandon else logging.ERROR, "checkpoint saver: the save of step %s is "
+                    "still in flight; not waiting for it", self._step)
+            return False
         if self._worker is not None:
-            self._jobs.put(None)
-            self._worker.join(self.timeout_s)
+            if not abandon:
+                self._jobs.put(None)
+            self._worker.join(wait_s)
+            if self._worker.is_alive():
+                return False
             self._worker = None
+        return True
+
+    def _give_up_if_abandoned(self, snap: Snapshot) -> None:
+        """Raise :class:`SaveAbandoned` once :meth:`close` gave the save up."""
+        if self._abandoned.is_set():
+            raise SaveAbandoned(f"checkpoint of step {snap.step} not committed: abandoned, the run ends on an error")
 
     def _check(self) -> None:
+        if self._abandoned.is_set():
+            raise SaveAbandoned("the checkpoint saver was closed, giving its save up: it saves no more")
         if self._stop is not None:
             raise SavesFailing(str(self._stop)) from self._stop
         if self.failed_in_row >= self.max_failed_saves:
@@ -229,6 +264,8 @@ class AsyncSaver:
             self._callback("on_error", snap.step, self.on_error, snap, exc)
 
     def _callback(self, name: str, step: int, fn: Callable, *args) -> None:
+        if self._abandoned.is_set():  # the run is closing what the callbacks report to (its events)
+            return
         try:
             fn(*args)
         except Exception as exc:  # the save's outcome stands: report, and keep the thread for the next save
@@ -236,9 +273,14 @@ class AsyncSaver:
             self.callback_failures.append(f"{name} for step {step}: {type(exc).__name__}: {exc}")
 
     def _upload(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
+        def attempt() -> dict[str, BlobRef]:
+            self._give_up_if_abandoned(snap)
+            return self.writer.upload_part(snap, nonce, part=self.rank, parts=self.world_size)
+
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.part_attempts),
             wait=tenacity.wait_exponential(multiplier=0.5, max=8),
+            sleep=self._abandoned.wait,  # a backoff ends at once when the save is abandoned
             retry=tenacity.retry_if_exception_type(StoreError),
             before_sleep=lambda rs: log.warning(
                 "checkpoint step %d part %d/%d: attempt %d failed (%s); retrying", snap.step, self.rank,
@@ -246,7 +288,7 @@ class AsyncSaver:
             ),
             reraise=True,
         )
-        return retrying(self.writer.upload_part, snap, nonce, part=self.rank, parts=self.world_size)
+        return retrying(attempt)
 
     def _upload_checked(self, snap: Snapshot, nonce: str) -> tuple[dict[str, BlobRef], str | None, bool]:
         """This rank's part: (blob refs, problem, whether the problem is non-finite state).
@@ -265,7 +307,11 @@ class AsyncSaver:
                 return {}, f"{where}: non-finite values (NaN or inf) in {', '.join(bad[:3])}{more}", True
             return self._upload(snap, nonce), None, False
         except Exception as exc:  # reported after the parts are gathered, the same on every rank
-            return {}, f"{where}: {type(exc).__name__}: {exc}", False
+            problem = f"{where}: {type(exc).__name__}: {exc}"
+            # The line goes to every rank, into the save's error; the traceback stays in this rank's log.
+            log.info("checkpoint step %d %s", snap.step, problem)
+            log.debug("checkpoint step %d %s: traceback", snap.step, where, exc_info=exc)
+            return {}, problem, False
 
     def _save(self, snap: Snapshot, nonce: str) -> Manifest | None:
         """Upload, gather, commit: the manifest on the leader (None elsewhere), or the failure on every rank."""
@@ -282,6 +328,7 @@ class AsyncSaver:
     def _save_parts(self, snap: Snapshot, nonce: str) -> dict[str, BlobRef]:
         """Replicated state: each rank uploads its part; every blob on the leader ({} elsewhere)."""
         gathered = self._gather(self._upload_checked(snap, nonce))
+        self._give_up_if_abandoned(snap)  # after the gather, which every rank makes
         _raise_problems(snap, [(p, nonfinite) for _, p, nonfinite in gathered],
                         f"after {self.part_attempts} attempt(s) per part")
         blobs: dict[str, BlobRef] = {}
@@ -319,7 +366,8 @@ class AsyncSaver:
             problem = f"{where}: {type(exc).__name__}: {exc}"
         _raise_problems(snap, self._gather((problem, nonfinite)), "")
         try:
-            return save_sharded(self.writer, snap, nonce, self.group, attempts=self.part_attempts)
+            return save_sharded(self.writer, snap, nonce, self.group, attempts=self.part_attempts,
+                                abandoned=self._abandoned)
         except ShardedCheckpointError as exc:
             raise SaveFailed(f"checkpoint of step {snap.step} not committed: {exc}") from exc
 
@@ -332,6 +380,7 @@ class AsyncSaver:
                     # DCP's coordinator is the group's rank 0: this saver's rank must be that rank.
                     raise ValueError("this saver's rank 0 is not rank 0 of its process group, so it does not hold "
                                      "the sharded save's blobs; give AsyncSaver each rank's rank within its group")
+                self._give_up_if_abandoned(snap)
                 if self.before_commit is not None:
                     self.before_commit(snap)
                 manifest = self.writer.commit_manifest(snap, blobs)

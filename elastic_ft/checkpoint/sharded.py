@@ -26,6 +26,7 @@ the metadata is our own JSON, not DCP's pickled ``.metadata``.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -90,13 +91,14 @@ def local_shards(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def save_sharded(writer: CheckpointWriter, snap: Snapshot, nonce: str, group: "dist.ProcessGroup | None",
-                 *, attempts: int = 1) -> dict[str, BlobRef]:
+                 *, attempts: int = 1, abandoned: threading.Event | None = None) -> dict[str, BlobRef]:
     """Save ``snap.sharded`` (and ``snap.documents``) with DCP; collective over ``group``, called on every rank.
 
     Returns every blob of the checkpoint on the coordinator (group rank 0) and
     ``{}`` elsewhere; the caller commits the manifest. A failure on any rank
     raises :class:`ShardedCheckpointError` on every rank alike (DCP gathers
-    each step's errors), naming each rank's failure.
+    each step's errors), naming each rank's failure. Once ``abandoned`` is set, no blob put starts and a
+    retry's backoff ends: the save fails (the saver sets it when the run ends on an error).
     """
     if snap.sharded is None:
         raise ValueError(f"snapshot of step {snap.step} holds no sharded state")
@@ -107,7 +109,7 @@ def save_sharded(writer: CheckpointWriter, snap: Snapshot, nonce: str, group: "d
     clash = [name for name in snap.documents if name == "sharded" or name.startswith(SHARDED_PREFIX)]
     if clash:
         raise ValueError(f"document names {clash} are reserved for sharded state; rename them")
-    storage = StoreWriter(writer, snap.step, nonce, snap.documents, attempts=attempts)
+    storage = StoreWriter(writer, snap.step, nonce, snap.documents, attempts=attempts, abandoned=abandoned)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

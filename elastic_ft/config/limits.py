@@ -64,4 +64,5 @@ LIMITS: dict[str, Bound] = {
     "inputs.max_file_bytes": Bound(1, 5 * _TiB),  # S3's largest object
     "inputs.max_model_bytes": Bound(1, 16 * _TiB),
     "inputs.max_model_files": Bound(1, 10**6),
+    "inputs.lock_timeout_s": Bound(1.0, 86400.0),
 }

@@ -10,10 +10,14 @@ separate entries that never share a file):
 - ``NAME.json``: per file, the ETag and size of the object it was downloaded
   from and its sha256 (written after each file lands);
 - ``NAME.lock``: held (``fcntl.flock``, exclusive) while the entry is checked
-  and filled. The local ranks of a node start together and all resolve the
-  same inputs: the first downloads, the others wait, then find the entry
-  current and reuse it. The kernel releases the lock of a killed process; a
-  download it left half-written is a temp file, removed as a stray.
+  and filled, and holding the holder's host, pid and since when. The local
+  ranks of a node start together and all resolve the same inputs: the first
+  downloads, the others wait, then find the entry current and reuse it. The
+  kernel releases the lock of a killed process; a download it left
+  half-written is a temp file, removed as a stray. A waiter polls the lock
+  (``LOCK_NB``), logs who holds it, and gives up after
+  ``inputs.lock_timeout_s`` with an error naming the holder: on a shared
+  filesystem a dead holder's lock may outlive it.
 
 A file is downloaded to ``<path>.eft-part-<pid>``, fsynced, then renamed over
 ``<path>``, so no reader ever opens a half-written file. Files under the entry
@@ -31,6 +35,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import time
 from collections.abc import Iterator
 
 from elastic_ft.checkpoint.s3.errors import ObjectChanged
@@ -46,6 +52,15 @@ log = logging.getLogger(__name__)
 
 # Whole re-plans when an object changes between its HEAD/LIST and its GET.
 _REPLANS = 3
+
+LOCK_POLL_S = 0.2
+"""How often a waiter tries a cache entry's lock again (a fetch takes seconds to minutes)."""
+LOCK_LOG_EVERY_S = 60.0
+"""How often a waiter says again who holds the lock it waits for."""
+
+
+class CacheLockTimeout(StoreUnavailable):
+    """A cache entry's lock was held by another process for longer than ``inputs.lock_timeout_s``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +126,8 @@ class InputCache:
     @contextlib.contextmanager
     def _locked(self, entry: str) -> Iterator[None]:
         os.makedirs(self.root, exist_ok=True)
-        fd = os.open(entry + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        with entry_lock(entry + ".lock", timeout_s=self.settings.lock_timeout_s):
             yield
-        finally:
-            os.close(fd)
 
     def _sync(self, loc: S3Location, entry: str, objects: list[RemoteObject]) -> list[str]:
         """Make ``entry`` hold exactly ``objects``, downloading those without a verified copy."""
@@ -157,6 +168,54 @@ class InputCache:
                 os.remove(tmp)
         _fsync_dir(os.path.dirname(path))
         return Record(etag=obj.etag, size=obj.size, sha256=sha256)
+
+
+@contextlib.contextmanager
+def entry_lock(path: str, *, timeout_s: float) -> Iterator[None]:
+    """Hold the lock file ``path`` (``fcntl.flock``, exclusive; the kernel releases it if this process dies).
+
+    Polled with ``LOCK_NB`` every :data:`LOCK_POLL_S`: a waiter logs who holds it (the holder writes its
+    host, pid and since when into the file once it has it), again every :data:`LOCK_LOG_EVERY_S`, and
+    raises :class:`CacheLockTimeout` naming the holder after ``timeout_s``.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        start = time.monotonic()
+        next_log = start
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            now, holder = time.monotonic(), _holder(fd)
+            if now - start >= timeout_s:
+                raise CacheLockTimeout(
+                    f"the input cache's lock {path} is still held after {timeout_s:g} s (inputs.lock_timeout_s) "
+                    f"by {holder}; if that process is gone (a node that died on a shared filesystem), remove "
+                    f"the lock file, else raise inputs.lock_timeout_s")
+            if now >= next_log:
+                log.info("waiting for the input cache's lock %s, held by %s (%.0f s of %g s)", path, holder,
+                         now - start, timeout_s)
+                next_log = now + LOCK_LOG_EVERY_S
+            time.sleep(min(LOCK_POLL_S, max(0.0, start + timeout_s - now)))
+        # Ours now: say who holds it, for the next waiter's log (a lock file is never read for anything else).
+        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": round(time.time(), 3)})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock open as ``fd``, as its file says (read without the lock: perhaps half-written)."""
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0) or b"null")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(doc["since"])))
+        return f"host {doc['host']} pid {int(doc['pid'])} (since {since})"
+    except (OSError, ValueError, TypeError, KeyError):
+        return "a process that has not written its name into it"
 
 
 def _inside(entry: str, rel: str) -> str:
@@ -210,4 +269,4 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["Fetched", "InputCache", "file_sha256"]
+__all__ = ["CacheLockTimeout", "Fetched", "InputCache", "entry_lock", "file_sha256"]

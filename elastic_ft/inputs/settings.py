@@ -30,6 +30,11 @@ class InputsConfig:
     """Largest total of the objects under a model (or tokenizer) prefix; 1 B to 16 TiB."""
     max_model_files: int = 10_000
     """Most objects under a model (or tokenizer) prefix (1 to 1000000); listing stops past it."""
+    lock_timeout_s: float = 3600.0
+    """Longest a worker waits for the lock of a cache entry that another process holds while it fetches
+    that input (the local ranks of a node share the cache: one downloads, the others wait); 1 s to 1 day.
+    Longer than the largest input takes to download. A holder that died on a shared filesystem holds it
+    until then: the error names the holder's host and pid."""
     verify: Literal["sha256", "size"] = "sha256"
     """How a cached copy is checked before reuse, besides its remote ETag and size: its sha256 against the
     one recorded at download (reads the file once), or its size only."""

@@ -7,12 +7,15 @@ at every restart, and the world may have changed size since the checkpoint.
 The :class:`Trainer` composes the concepts that live in their own modules:
 the world and its collectives (:mod:`~elastic_ft.train.world`), restoring from
 a checkpoint (:mod:`~elastic_ft.train.restore`), step metrics
-(:mod:`~elastic_ft.train.metrics`) and the background saver; what remains here
-is the step itself, when to checkpoint, and the run from start to end.
+(:mod:`~elastic_ft.train.metrics`) and the checkpoints
+(:mod:`~elastic_ft.train.saving`), each built by a step of
+:mod:`~elastic_ft.train.build`; what remains here is the step itself, when to
+checkpoint, and the run from start to end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -26,32 +29,30 @@ import torch
 from elastic_ft.train import faults
 from elastic_ft.runevents import goodput
 from elastic_ft.runevents.node_identity import batch_node
-from elastic_ft.checkpoint.cache import CachedStore
-from elastic_ft.checkpoint.store import join_uri, open_store
-from elastic_ft.checkpoint.saver import SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
 from elastic_ft.config import JobSpec
 from elastic_ft.runevents.events import joined_line
-from elastic_ft.inputs.resolve import InputSource
-from elastic_ft.runevents.shipper import open_run_events
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import peer_loss, precision, rng, run_lease, sharding
+from elastic_ft.train import peer_loss, precision, rng, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
+from elastic_ft.train.build import (
+    build_cached_store, build_checkpoints, build_events, build_lease, build_model_and_data, build_preemption,
+    build_store, commit_checks,
+)
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
 from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.optim import build_adamw
-from elastic_ft.train.preemption import Preemption
-from elastic_ft.train.saving import Saving
+from elastic_ft.train.saving import TrainedState
 from elastic_ft.train.restore import Restorer
 from elastic_ft.train.resume import ResumePlan, plan_resume
 from elastic_ft.train.scaling import idle_note, lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
     RunAborted, World, close_world, gather_from_all, init_world, sum_over_ranks,
 )
-from elastic_ft.viz.tensorboard import TensorBoardSink
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,12 @@ class RunOptions:
     log_dir: str
 
 
-class Trainer(Saving):
-    """State of one training process; :meth:`run` is the whole job."""
+class Trainer:
+    """State of one training process; :meth:`run` is the whole job, :meth:`close` (or ``with``) its end.
+
+    Built by the steps of :mod:`elastic_ft.train.build`; one that fails closes what the steps before it
+    opened, and the error propagates.
+    """
 
     def __init__(self, spec: JobSpec, opts: RunOptions, world: World) -> None:
         self.spec, self.opts, self.world = spec, opts, world
@@ -72,25 +77,18 @@ class Trainer(Saving):
         precision.check_device(spec.precision, world.device)  # e.g. bfloat16 on a GPU without it
         sharding.check_world(spec.parallelism, world.size)  # at every restart: the world may have changed
         self.plan = plan_batch(spec.batch, spec.optimizer.lr, world.size)
-        self.store = open_store(join_uri(opts.checkpoint_uri, opts.run_id), spec.checkpoint.store_settings())
-        # One live writer per run: a second job on this run is refused here, before it writes anything.
-        self.lease = run_lease.hold(world, self.store, opts.run_id)
-        try:
-            # The leader's events.jsonl, and its shipper to the store's events/ (see elastic_ft.runevents).
-            # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
-            self.node_head = world.local_rank == 0 and not world.is_leader
-            self.events, self.shipper = open_run_events(world, self.store, os.path.join(opts.log_dir, "events.jsonl"),
-                                                        node_head=self.node_head, run_id=opts.run_id)
-            if spec.logging.tensorboard and world.is_leader:
-                self.events.add_sink(TensorBoardSink(os.path.join(opts.log_dir, "tensorboard")))
-            if spec.checkpoint.local_cache_dir is not None:
-                self.store = CachedStore(self.store, os.path.join(spec.checkpoint.local_cache_dir, opts.run_id))
-            load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
-            with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
-                self.tokenizer, self.model = model_mod.build(spec, inputs, device=load_to)
-                self.data = data_mod.load(spec.data, self.tokenizer, inputs)
-            if load_to is not None:  # an inline model; a pretrained one is there already: no copy
-                self.model.to(world.device)
+        # The spec does not change during a run: rendered and hashed once (~2 ms per save otherwise).
+        self._spec_doc, self._config_hash = spec.to_dict(), spec.hash()
+        # The leader's console tells the run; each other node's local rank 0 tells how its node takes part.
+        self.node_head = world.local_rank == 0 and not world.is_leader
+        with contextlib.ExitStack() as opened:  # closes what was opened if a step below fails
+            store = build_store(spec, opts.checkpoint_uri, opts.run_id, opened)
+            # One live writer per run: a second job on this run is refused here, before it writes anything.
+            self.lease = build_lease(world, store, opts.run_id, opened)
+            self.events, self.shipper = build_events(spec, world, store, opts.log_dir, opts.run_id, opened,
+                                                     node_head=self.node_head)
+            self.store = build_cached_store(spec, store, opts.run_id)
+            self.tokenizer, self.model, self.data = build_model_and_data(spec, world)
             self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
             # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
             self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
@@ -102,19 +100,49 @@ class Trainer(Saving):
             self.optimizer = build_adamw(self.params, lr=self.plan.lr, cfg=spec.optimizer)
             self.step = 0
             self.cursor = 0
-            self.saver = self._open_saver()
+            self.checkpoints = build_checkpoints(
+                opened, spec=spec, world=world, store=self.store, run_id=opts.run_id, events=self.events,
+                state=TrainedState(self.model, self.trainable, self.optimizer, self.param_names), plan=self.plan,
+                total_steps=self.total_steps, spec_doc=self._spec_doc, config_hash=self._config_hash,
+                before_commit=commit_checks(self.lease, self.shipper) if world.is_leader else None,
+            )
             self.guard = NonFiniteGuard(limit=spec.optimizer.max_nonfinite_steps)
             self.injector = faults.Injector.from_env()
             self.restorer = Restorer(world=world, store=self.store, run_id=opts.run_id, events=self.events,
                                      injector=self.injector)
-            self.metrics = Metrics(world, self.events, total_steps=self.total_steps, every_steps=spec.logging.every_steps)
-            # What the spot policy weighs (the committed step and commit time are the leader's: it decides).
-            self.last_committed_step, self.last_commit_s, self.last_step_s = 0, None, None
-            self.preemption = Preemption(spec.spot, world, self.events, endpoint=imds_endpoint)
-        except BaseException:  # not built: the lease must not outlive it (a retry in this process would wait)
-            if self.lease is not None:
-                self.lease.release()
-            raise
+            self.metrics = Metrics(world, self.events, total_steps=self.total_steps,
+                                   every_steps=spec.logging.every_steps)
+            self.last_step_s: float | None = None  # what the spot policy weighs, with the checkpoints' record
+            self.preemption = build_preemption(spec, world, self.events, imds_endpoint, opened)
+            self._resources = opened.pop_all()
+
+    # What the spot response reads (elastic_ft.train.preemption.Trainer) and the run's cadence: the
+    # checkpoints' record (the committed step and commit time are the leader's: it decides).
+
+    @property
+    def saver(self) -> AsyncSaver:
+        return self.checkpoints.saver
+
+    @property
+    def last_ckpt_step(self) -> int:
+        return self.checkpoints.last_step
+
+    @property
+    def last_ckpt_time(self) -> float:
+        return self.checkpoints.last_time
+
+    @property
+    def last_committed_step(self) -> int:
+        return self.checkpoints.committed.step
+
+    @property
+    def last_commit_s(self) -> float | None:
+        return self.checkpoints.committed.seconds
+
+    def save(self, reason: str, *, sync: bool = False) -> None:
+        """Checkpoint the current step on every rank (see :meth:`Checkpoints.save`)."""
+        self.metrics.flush()  # the events of every step a checkpoint covers are written first
+        self.checkpoints.save(reason, step=self.step, cursor=self.cursor, sync=sync)
 
     # ------------------------------------------------------------------ resume
 
@@ -129,7 +157,7 @@ class Trainer(Saving):
         )
         if loaded is not None:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
-            self.last_ckpt_step = self.last_committed_step = self.step
+            self.checkpoints.resumed(self.step)
         plan = plan_resume(
             loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
             total_steps=self.total_steps,
@@ -297,24 +325,31 @@ class Trainer(Saving):
         self.metrics.add(result)
         return result
 
-    def close(self) -> None:
-        self.preemption.close()
-        self.saver.close()
-        if self.lease is not None:  # after the saver: no commit follows
-            self.lease.release()
-        self.events.close()  # its sinks too: the shipper's last shipment (how this attempt stopped), TensorBoard
-        self.store.close()
+    def close(self, error: BaseException | None = None) -> None:
+        """Close what the build opened, last first: the spot watcher, the checkpoints, the events, the store.
+
+        ``error``: the run ends on it (see :func:`~elastic_ft.train.build.ends_on_error`); the save in
+        flight is then given up rather than waited for, so this takes seconds. Closing twice does nothing.
+        """
+        resources, self._resources = self._resources, contextlib.ExitStack()
+        if error is None:
+            resources.close()
+        else:
+            resources.__exit__(type(error), error, error.__traceback__)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:
     """Run the job in this process (one rank of it under torchrun)."""
     world = init_world(datetime.timedelta(seconds=spec.spot.collective_timeout_s))
     try:
-        trainer = Trainer(spec, opts, world)
-        try:
+        with Trainer(spec, opts, world) as trainer:  # closed also when it cannot be built whole
             return trainer.run()
-        finally:
-            trainer.close()
     finally:
         # Also when the trainer cannot be built: exit_process takes a group still there for one
         # that a timed-out settle() left.

@@ -176,21 +176,22 @@ def close_world(world: World) -> None:
         dist.destroy_process_group()
 
 
-def exit_process(code: int, *, fast: bool = False) -> NoReturn:
-    """``sys.exit(code)``; after a :func:`settle` that timed out, ``os._exit(code)`` once logs and output
-    are flushed: the process group's teardown at interpreter exit could wait for the peer that did not come.
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` once logs and output are flushed: ``os._exit``, never the interpreter's
+    finalization. Callers close their files and their world first (the trainer's close, :func:`close_world`).
 
-    A process group still there at this point is one that :func:`close_world` left for that reason
-    (callers close their world first), so no :class:`World` is needed here.
-
-    ``fast``: the run's state is safe and its files are closed (a worker that committed and leaves on a
-    notice): ``os._exit`` as well. The interpreter's teardown with torch, transformers and peft loaded
-    takes about 1.3 s on 2 cores, and after a notice every node waits for it: the agent of a node that
-    stays restarts its workers only once they have exited, and the leaving node's agent leaves the
-    rendezvous only then."""
-    if fast or (dist.is_available() and dist.is_initialized()):
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    Why not ``sys.exit``: gloo's worker threads outlive :func:`close_world` (``destroy_process_group``
+    only unregisters a group that a DDP or FSDP module, a DTensor or a device mesh still holds), and
+    one of them drops each collective's work, and its tensors, just after the collective completes.
+    A tensor a Python object still refers to then takes the GIL to release it; once the interpreter
+    is finalizing, that thread is ended by ``pthread_exit`` inside a C++ destructor and the process
+    aborts: "terminate called without an active exception", SIGABRT (code 134) instead of ``code``.
+    A loaded host widens that window from microseconds to milliseconds. Finalization also waits for a
+    :func:`settle` barrier still queued, and costs about 1.3 s on 2 cores with torch, transformers and
+    peft loaded, which every node waits out after a notice (the agent restarts a node's workers, and
+    a leaving node's agent leaves the rendezvous, only once they have exited).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

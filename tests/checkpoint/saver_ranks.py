@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from elastic_ft.checkpoint.saver import AsyncSaver
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot
+from elastic_ft.train.world import exit_process
 
 
 class RankFaultyStore(LocalStore):
@@ -49,14 +51,17 @@ def outcome(fn) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def finish(results: dict, path: str) -> None:
-    """Record that every rank got here (no collective left unpaired), write ``results``, leave the group."""
+def finish(results: dict, path: str) -> NoReturn:
+    """Record that every rank got here (no collective left unpaired), write ``results``, leave the group,
+    and end the process as a worker does (:func:`exit_process`: the interpreter's finalization would
+    race gloo's threads, which outlive the group while a module or mesh still holds it, and abort)."""
     t = torch.ones(1)
     dist.all_reduce(t)
     results["paired"] = int(t.item())
     with open(path, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def main(rank: int, world: int, root: str) -> None:

@@ -4,6 +4,7 @@ holding NaN. The store faults are small LocalStore subclasses (the injectors).""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
 from elastic_ft.checkpoint.saver import (
-    AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors,
+    ABANDON_WAIT_S, AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors,
 )
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import StoreUnavailable
@@ -52,10 +53,11 @@ class StuckStore(LocalStore):
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
-        self.release = threading.Event()
+        self.release, self.entered = threading.Event(), threading.Event()
 
     def put(self, key, data, *, if_absent=False):
         if key.startswith("blobs/"):
+            self.entered.set()
             self.release.wait(30)
         super().put(key, data, if_absent=if_absent)
 
@@ -160,6 +162,55 @@ def test_waits_are_bounded(tmp_path):
     saver.save(make_snap(2), new_nonce())
     saver.close()
     assert committed_steps(store) == [1, 2]
+
+
+def test_close_on_an_error_path_gives_the_save_up_in_seconds(tmp_path, escaped):
+    """abandon: a save retrying a store outage stops at once (its backoff cut short); one stuck in an upload
+    is left behind, and commits nothing once it gets through. Without abandon, close waits for the save."""
+    store = FlakyStore(str(tmp_path / RUN))
+    store.failing = True
+    errors = []
+    saver = AsyncSaver(CheckpointWriter(store, RUN), part_attempts=100, timeout_s=600,
+                       on_error=lambda s, e: errors.append(s.step))
+    saver.submit(make_snap(1), new_nonce())
+    time.sleep(0.2)  # into the retries' backoff
+    t0 = time.monotonic()
+    assert saver.close(abandon=True) is True
+    assert time.monotonic() - t0 < ABANDON_WAIT_S + 1  # not the ~10 min of retries left
+    assert "checkpoint of step 1 not committed: abandoned, the run ends on an error" in str(saver.last_failure)
+    with pytest.raises(SaveFailed, match="the checkpoint saver was closed, giving its save up: it saves no more"):
+        saver.submit(make_snap(2), new_nonce())
+    assert errors == [], "a callback ran after the close"
+
+    stuck = StuckStore(str(tmp_path / "stuck"))
+    saver = AsyncSaver(CheckpointWriter(stuck, RUN), timeout_s=600)
+    saver.submit(make_snap(1), new_nonce())
+    assert stuck.entered.wait(30)
+    t0 = time.monotonic()
+    assert saver.close(abandon=True) is False  # the thread is inside the store's put: left behind
+    assert ABANDON_WAIT_S <= time.monotonic() - t0 < ABANDON_WAIT_S + 5
+    stuck.release.set()
+    saver.wait()
+    assert committed_steps(stuck) == [], "a save given up was committed"
+    assert escaped == []
+
+
+def test_a_failed_part_logs_one_line_and_keeps_its_traceback_at_debug(tmp_path, caplog):
+    store = FlakyStore(str(tmp_path / RUN))
+    store.failing = True
+    saver = AsyncSaver(CheckpointWriter(store, RUN), part_attempts=1)
+    caplog.set_level(logging.DEBUG, logger="elastic_ft.checkpoint.saver")
+    with pytest.raises(SaveFailed, match=r"part 0/1: StoreUnavailable: .*503 SlowDown"):
+        saver.save(make_snap(1), new_nonce())
+    saver.close()
+    part = [r for r in caplog.records if "part 0/1" in r.getMessage()]
+    info = [r for r in part if r.levelno == logging.INFO]
+    assert len(info) == 1 and info[0].exc_info is None and "\n" not in info[0].getMessage()
+    assert info[0].getMessage().startswith("checkpoint step 1 part 0/1: StoreUnavailable: ")
+    debug = [r for r in part if r.levelno == logging.DEBUG]
+    assert len(debug) == 1 and debug[0].exc_info is not None
+    trace = logging.Formatter().formatException(debug[0].exc_info)
+    assert "Traceback" in trace and "in put" in trace and "503 SlowDown after 4 attempts" in trace, trace
 
 
 def test_snapshot_with_nan_is_never_committed_and_stops_the_saves(tmp_path):

@@ -1,5 +1,6 @@
 """AsyncSaver across two real gloo ranks: a failure only one rank sees is raised
-on both alike (else one rank would stop while the other waits in a collective)."""
+on both alike (else one rank would stop while the other waits in a collective), and a peer lost
+mid-save does not hold the survivor's close."""
 
 from __future__ import annotations
 
@@ -44,3 +45,34 @@ def test_one_ranks_failure_is_every_ranks_failure(tmp_path):
     assert r0["paired"] == 2
     assert list_manifests(LocalStore(str(tmp_path / "store" / "nan"))) == []
     assert list_manifests(LocalStore(str(tmp_path / "store" / "flaky"))) == []
+
+
+ABANDON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "abandon_ranks.py")
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("mode", ["killed", "stopped"])
+def test_a_peer_lost_mid_save_closes_the_survivor_in_seconds(tmp_path, mode):
+    """Closing on the error path gives the save in flight up: seconds, not save_timeout_s (600 s here), and
+    no manifest. killed: the survivor's part was still retrying a store outage; stopped: its saver waited
+    in the gather for a peer that will never answer (no TCP reset)."""
+    env = process_env(PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, ABANDON, str(r), str(tmp_path), mode], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 0, out[-3000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["error"], "the survivor's collective with the lost peer did not fail"
+    assert r0["close_s"] < 10, r0  # ABANDON_WAIT_S (2 s) at most, however long the save could have taken
+    assert r0["destroy_s"] < 10, r0
+    if mode == "killed":  # the retries stopped: the backoff ended and no attempt started after the close
+        assert r0["thread_stopped"] and r0["saver_threads"] == [], r0
+        assert 1 <= r0["failed_puts"] < 10, r0
+    assert "giving up the save of step 1 in flight" in out
+    assert list_manifests(LocalStore(str(tmp_path / "store"))) == []
