@@ -50,6 +50,9 @@ import torch.distributed as dist
 from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX
 from elastic_ft.checkpoint.lease import LeaseLost
 from elastic_ft.checkpoint.manifest import BlobRef, Manifest
+from elastic_ft.checkpoint.save_errors import (
+    NonFiniteCheckpoint, SaveAbandoned, SaveFailed, SavesFailing, SaveTimeout, WriterFenced, nonfinite_tensors,
+)
 from elastic_ft.checkpoint.store import StoreError
 from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, Snapshot, shard_tensors
 
@@ -58,38 +61,6 @@ log = logging.getLogger(__name__)
 ABANDON_WAIT_S = 2.0
 """How long ``close(abandon=True)`` waits for the thread: a backoff or a gone peer's collective ends at
 once; a stuck upload or collective does not, and is left to the process exit (a daemon thread)."""
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint was not committed; the message says which step and why."""
-
-
-class NonFiniteCheckpoint(SaveFailed):
-    """A snapshot held NaN or infinite values, so it was refused (nothing of it is committed)."""
-
-
-class SavesFailing(SaveFailed):
-    """Saves failed ``max_failed_saves`` times in a row, or a snapshot was refused: stop the run."""
-
-
-class SaveTimeout(SaveFailed):
-    """A save did not finish within the saver's ``timeout_s``."""
-
-
-class WriterFenced(SaveFailed):
-    """Another writer holds the run (this writer's lease was lost, or its manifest conflicted): stop the run."""
-
-
-class SaveAbandoned(SaveFailed):
-    """The save was given up because the run ends on an error (:meth:`AsyncSaver.close` with ``abandon``)."""
-
-
-def nonfinite_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
-    """``group/name`` of each floating tensor holding a NaN or an infinity (sorted)."""
-    return sorted(
-        f"{group}/{name}" for group, named in tensors.items() for name, t in named.items()
-        if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    )
 
 
 class AsyncSaver:

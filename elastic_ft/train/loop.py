@@ -29,7 +29,8 @@ import torch
 from elastic_ft.train import faults
 from elastic_ft.runevents import goodput
 from elastic_ft.runevents.node_identity import batch_node
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.config import JobSpec
 from elastic_ft.runevents.events import joined_line
 from elastic_ft.spot.imds import endpoint_from_env

@@ -29,7 +29,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver
+
+from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.spot.imds import ImdsClient

@@ -104,7 +104,7 @@ class Checkpoints:
         copy only, unless ``sync`` (or ``checkpoint.async_save: false``).
         A failed save is an event, and the run goes on, until
         ``checkpoint.max_failed_saves`` failed in a row: then the saver raises
-        :class:`~elastic_ft.checkpoint.saver.SaveFailed` here (on every rank
+        :class:`~elastic_ft.checkpoint.save_errors.SaveFailed` here (on every rank
         alike; the run stops). ``sync`` raises on any failure: the caller needs the checkpoint.
         """
         t0 = time.monotonic()

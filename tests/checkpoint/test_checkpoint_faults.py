@@ -24,7 +24,8 @@ import torch
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.manifest import MANIFEST_PREFIX, ManifestForeign, manifest_key
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import ObjectStore, StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, new_nonce, snapshot

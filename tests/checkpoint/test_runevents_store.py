@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from elastic_ft.checkpoint.reader import list_manifests
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.checkpoint.writer import CheckpointWriter, snapshot
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.checkpoint.errors import StoreError

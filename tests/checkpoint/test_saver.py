@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest
-from elastic_ft.checkpoint.saver import (
-    ABANDON_WAIT_S, AsyncSaver, NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors,
-)
+from elastic_ft.checkpoint.saver import ABANDON_WAIT_S, AsyncSaver
+from elastic_ft.checkpoint.save_errors import NonFiniteCheckpoint, SaveFailed, SavesFailing, SaveTimeout, nonfinite_tensors
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.store import StoreUnavailable
 from elastic_ft.checkpoint.writer import CheckpointWriter, new_nonce, snapshot

@@ -25,7 +25,8 @@ from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.manifest import BlobRef
 from elastic_ft.checkpoint.reader import list_manifests, load_newest, read_manifest, verify
 from elastic_ft.checkpoint.retention import RetentionPolicy, collect
-from elastic_ft.checkpoint.saver import AsyncSaver, SaveFailed
+from elastic_ft.checkpoint.saver import AsyncSaver
+from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.checkpoint.sharded import is_sharded, load_sharded, load_sharded_full, save_sharded, stage
 from elastic_ft.checkpoint.writer import CheckpointWriter, Snapshot
 from tests.checkpoint.s3_servers import aws_env, make_s3_store

@@ -42,6 +42,7 @@ def holder(tmp_path):
         proc.communicate(timeout=60)
 
 
+@pytest.mark.subprocess  # a second process holds the lock
 def test_a_held_entry_lock_is_waited_for_a_bounded_time_naming_its_holder(tmp_path, holder, caplog):
     proc, lock, release = holder
     cache = InputCache(str(tmp_path / "cache"), None, InputsConfig(cache_dir=str(tmp_path / "cache"),
