@@ -12,7 +12,7 @@ import pytest
 
 from elastic_ft import worker
 from elastic_ft.checkpoint.manifest import manifest_key
-from tests.conftest import BIN, DEFAULT_SPEC, REPO, cli, explain, run, torchrun, tree_digest
+from tests.conftest import BIN, DEFAULT_SPEC, REPO, cli, explain, run, tree_digest
 from tests.e2e.conftest import train
 
 
@@ -82,16 +82,6 @@ def test_foreign_manifest_is_an_error_not_a_fallback(guarded, capsys, field, val
     message = error_of(capsys)
     assert expected in message and "000000000010.json" in message, message
     os.unlink(foreign)  # the guard checks that everything committed before is untouched
-
-
-@pytest.mark.torchrun
-@pytest.mark.slow
-def test_global_batch_smaller_than_world(guarded):
-    proc = torchrun(2, ["--spec", DEFAULT_SPEC, "--run_id", "run", "--checkpoint_uri", f"file://{guarded}",
-                        "--log_dir", os.path.join(guarded, "logs"), "batch.global_batch=1"])
-    assert proc.returncode != 0
-    assert "batch.global_batch (1) is smaller than the world size (2)" in proc.stderr, explain(proc)
-
 
 
 # --------------------------------------------------------------------------- issue 9: bounded inputs

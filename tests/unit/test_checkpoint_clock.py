@@ -22,16 +22,6 @@ from tests.conftest import DEFAULT_SPEC
 from tests.ports import free_port
 
 
-@pytest.fixture
-def one_rank_gloo(monkeypatch):
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # init_world shares the host's cores out between local ranks
-
-
 def test_every_seconds_costs_no_object_broadcast_per_step(monkeypatch, tmp_path, one_rank_gloo):
     broadcasts: list[int] = []
     at_step: list[int] = []  # object broadcasts made so far, as each step starts

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from elastic_ft.config import load_spec
 from elastic_ft.train import loop, world as world_mod
 from tests.conftest import DEFAULT_SPEC
-from tests.ports import free_port
 
 TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
                       "reduce_scatter_tensor")
@@ -65,16 +64,6 @@ class Spy:
             # broadcast_object_list stages its bytes on `device`; without it NCCL relies on set_device.
             if name == "broadcast_object_list" and kwargs.get("device") != self.expected:
                 self.violations.append(f"{name} without device={self.expected} (got {kwargs.get('device')})")
-
-
-@pytest.fixture
-def one_rank_gloo(monkeypatch):
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0",
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # init_world shares the host's cores out between local ranks
 
 
 def test_the_trainers_collectives_take_tensors_on_the_world_device(monkeypatch, tmp_path, one_rank_gloo):
