@@ -42,9 +42,11 @@ def test_blob_reads_failing_with_503_stop_resume_and_retire_nothing(s3_env, s3_s
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("elastic_ft: error: ")]
     assert len(err) == 1 and "step 6 could not be read" in err[0] and "nothing was retired" in err[0], err
     assert any(s.fault == "slowdown" for s in proxy.seen)
-    # The run's events (events/) grew by the failed attempt's claim and its shipped events; nothing else changed.
+    # The run's events (events/) grew by the failed attempt's claim and its shipped events, and its writer
+    # lease (lease/) by the attempt's generation; nothing else changed.
     after = [o.key for o in direct.list()]
-    assert [k for k in after if not k.startswith("events/")] == [k for k in before if not k.startswith("events/")], \
+    kept = ("events/", "lease/")
+    assert [k for k in after if not k.startswith(kept)] == [k for k in before if not k.startswith(kept)], \
         "a checkpoint was retired or deleted on a store fault"
     assert "events/attempts/00000002.json" in after and any(k.startswith("events/00000002-") for k in after)
     assert [e["event"] for e in read_events(os.path.join(logs, "events.jsonl"))].count("resume_plan") == 1
