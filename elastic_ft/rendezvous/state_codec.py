@@ -249,6 +249,12 @@ class _ForbiddenGlobal(pickle.UnpicklingError):
     pass
 
 
+def load_state(state: bytes) -> object:
+    """The rendezvous state object of ``state`` (a pickle), through an unpickler that resolves only
+    :data:`STATE_GLOBALS`: any other global raises :class:`pickle.UnpicklingError` before it is called."""
+    return _StateUnpickler(io.BytesIO(state)).load()
+
+
 def check_state_types(state: bytes, key: str) -> None:
     """Refuse a state whose pickle names anything but the rendezvous state's own types.
 
@@ -262,7 +268,7 @@ def check_state_types(state: bytes, key: str) -> None:
         RendezvousStateError: naming the etcd key and the refused global.
     """
     try:
-        _StateUnpickler(io.BytesIO(state)).load()
+        load_state(state)
     except _ForbiddenGlobal as exc:
         raise RendezvousStateError(
             f"The rendezvous state in the etcd key {key!r} is refused: its pickle names {exc}, which "

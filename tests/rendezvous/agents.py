@@ -204,10 +204,10 @@ def wait_for(
 def rendezvous_state_of(backend):  # type: ignore[no-untyped-def]
     """The rendezvous state a backend holds in the test's own etcd, or None.
 
-    The state is torch's own pickled ``_RendezvousState`` (torch's handler
-    unpickles it the same way); tests read it only from the etcd they started.
+    The state is torch's pickled ``_RendezvousState``, loaded as the handler's
+    type check loads it: only the state's own types are resolved.
     """
-    import pickle
+    from elastic_ft.rendezvous.state_codec import load_state
 
     got = backend.get_state()
-    return None if got is None else pickle.loads(got[0])
+    return None if got is None else load_state(got[0])
