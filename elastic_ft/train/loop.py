@@ -88,7 +88,9 @@ class Trainer(Saving):
             load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
             with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
                 self.tokenizer, self.model = model_mod.build(spec, inputs, device=load_to)
-                self.data = data_mod.load(spec.data, self.tokenizer, inputs)
+                # Tokenized once per run (by this world if not committed yet), mapped from the node's disk.
+                self.data = data_mod.load(spec.data, self.tokenizer, inputs, world=world, store=self.store,
+                                          run_id=opts.run_id)
             if load_to is not None:  # an inline model; a pretrained one is there already: no copy
                 self.model.to(world.device)
             self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
@@ -147,7 +149,7 @@ class Trainer(Saving):
         indices = [i for _, i in positions]
         my_positions = deal(positions, plan.per_rank)[w.rank]
         mine = [i for _, i in my_positions]
-        global_tokens = int(self.data.target_tokens[indices].sum())
+        global_tokens = self.data.target_count(indices)
         lr = lr_at(self.step, self.total_steps, plan.lr, spec.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -159,7 +161,10 @@ class Trainer(Saving):
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
-        chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
+        chunks = micro_batches(mine, plan.micro_batch)
+        # Every rank's micro-batches are known here (the deal is global): the step's padding, without a collective.
+        computed = sum(self.data.computed_tokens(micro_batches([i for _, i in dealt], plan.micro_batch))
+                       for dealt in deal(positions, plan.per_rank))
         net = self.net
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
@@ -199,7 +204,8 @@ class Trainer(Saving):
             if self.guard.exhausted:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
-        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped)
+        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped,
+                          real_tokens=self.data.real_tokens(indices), computed_tokens=computed)
 
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
@@ -304,6 +310,11 @@ class Trainer(Saving):
             self.lease.release()
         self.events.close()  # its sinks too: the shipper's last shipment (how this attempt stopped), TensorBoard
         self.store.close()
+
+
+def micro_batches(samples: list[int], size: int) -> list[list[int]]:
+    """A rank's samples cut into micro-batches of at most ``size``, in order."""
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:
