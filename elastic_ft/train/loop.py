@@ -162,9 +162,6 @@ class Trainer(Saving):
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
         chunks = micro_batches(mine, plan.micro_batch)
-        # Every rank's micro-batches are known here (the deal is global): the step's padding, without a collective.
-        computed = sum(self.data.computed_tokens(micro_batches([i for _, i in dealt], plan.micro_batch))
-                       for dealt in deal(positions, plan.per_rank))
         net = self.net
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
@@ -205,7 +202,7 @@ class Trainer(Saving):
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
         return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped,
-                          real_tokens=self.data.real_tokens(indices), computed_tokens=computed)
+                          **step_tokens(self.data, indices, plan))
 
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
@@ -315,6 +312,14 @@ class Trainer(Saving):
 def micro_batches(samples: list[int], size: int) -> list[list[int]]:
     """A rank's samples cut into micro-batches of at most ``size``, in order."""
     return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def step_tokens(data: data_mod.TokenStore, indices: list[int], plan) -> dict[str, int]:
+    """A step's real tokens (its samples', no padding) and the token positions all ranks' micro-batches
+    compute, padding included (lockstep's zero-weight repeats not counted): the deal is global, so every
+    rank knows them without a collective."""
+    chunks = [c for d in deal(indices, plan.per_rank) for c in micro_batches(d, plan.micro_batch)]
+    return {"real_tokens": data.real_tokens(indices), "computed_tokens": data.computed_tokens(chunks)}
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:
