@@ -199,3 +199,15 @@ def test_a_restart_reads_no_data_file(cache, tmp_path):
         assert opened == []
     finally:
         watched = None
+
+
+def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
+    from types import SimpleNamespace
+
+    from elastic_ft.train.loop import step_tokens
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 10, 20, 45)])
+    store = data_mod.load(DataConfig(files=[path], max_length=48), byte_tokenizer())
+    # Rank 0 is dealt samples 0, 1, 2 (micro-batches [0, 1] and [2]), rank 1 sample 3: 5, 12, 22, 47 tokens.
+    plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
+    assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 16 + 24 + 48}
