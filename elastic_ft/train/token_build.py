@@ -2,10 +2,11 @@
 
 The store (:mod:`elastic_ft.train.token_store`) is named by its identity: the
 sha256 of the format, the data files' contents, the tokenizer's serialized
-form and the data settings that change tokens (:func:`identity`). It is kept
+form and the data settings that change tokens
+(:mod:`elastic_ft.train.token_identity`). It is kept
 in the run's store under ``tokens/<identity>/`` with the checkpoint protocol
 (:mod:`elastic_ft.checkpoint.writer`): blobs first (each file cut into pieces
-of at most :data:`PIECE_BYTES`, each with its size and sha256), then one
+of at most :data:`~elastic_ft.train.token_files.PIECE_BYTES`, each with its size and sha256), then one
 manifest written last and create-if-absent. It exists only once that manifest
 does, and every byte is checked against it when it lands on a node.
 
@@ -32,6 +33,10 @@ few stats, nothing that grows with the dataset. A node without a copy: one
 download of the store (about 3 bytes per token), hashed once. A build: one
 tokenization pass over the data, shared by the ranks, plus each part's upload
 and the leader's concatenation (one pass over the tokens).
+
+Not handled yet: a rank lost while building leaves the others waiting in the
+next collective until it times out; the next world finds no manifest and builds
+again from the start (the lost world's part blobs stay under ``parts/``).
 """
 
 from __future__ import annotations
