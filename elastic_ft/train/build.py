@@ -91,12 +91,16 @@ def build_cached_store(spec: JobSpec, store: ObjectStore, run_id: str) -> Object
     return CachedStore(store, os.path.join(spec.checkpoint.local_cache_dir, run_id))
 
 
-def build_model_and_data(spec: JobSpec, world: World) -> tuple[Any, Any, data_mod.TokenizedData]:
-    """(tokenizer, model on this rank's device, the dataset); ``s3://`` inputs through this node's cache."""
+def build_model_and_data(spec: JobSpec, world: World, store: ObjectStore,
+                         run_id: str) -> tuple[Any, Any, data_mod.TokenStore]:
+    """(tokenizer, model on this rank's device, the dataset); ``s3://`` inputs through this node's cache.
+
+    The dataset is the run's token store: tokenized once per run (by this world if ``store`` has none
+    committed yet) and mapped from the node's disk, so a restart's cost does not grow with the data."""
     load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
     with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
         tokenizer, model = model_mod.build(spec, inputs, device=load_to)
-        data = data_mod.load(spec.data, tokenizer, inputs)
+        data = data_mod.load(spec.data, tokenizer, inputs, world=world, store=store, run_id=run_id)
     if load_to is not None:  # an inline model; a pretrained one is there already: no copy
         model.to(world.device)
     return tokenizer, model, data

@@ -89,7 +89,7 @@ class Trainer:
             self.events, self.shipper = build_events(spec, world, store, opts.log_dir, opts.run_id, opened,
                                                      node_head=self.node_head)
             self.store = build_cached_store(spec, store, opts.run_id)
-            self.tokenizer, self.model, self.data = build_model_and_data(spec, world)
+            self.tokenizer, self.model, self.data = build_model_and_data(spec, world, self.store, opts.run_id)
             self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
             # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
             self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
@@ -176,7 +176,7 @@ class Trainer:
         indices = [i for _, i in positions]
         my_positions = deal(positions, plan.per_rank)[w.rank]
         mine = [i for _, i in my_positions]
-        global_tokens = int(self.data.target_tokens[indices].sum())
+        global_tokens = self.data.target_count(indices)
         lr = lr_at(self.step, self.total_steps, plan.lr, spec.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -188,7 +188,7 @@ class Trainer:
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
-        chunks = [mine[i : i + plan.micro_batch] for i in range(0, len(mine), plan.micro_batch)]
+        chunks = micro_batches(mine, plan.micro_batch)
         net = self.net
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
@@ -228,7 +228,8 @@ class Trainer:
             if self.guard.exhausted:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
-        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped)
+        return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped,
+                          **step_tokens(self.data, indices, plan))
 
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
@@ -343,6 +344,19 @@ class Trainer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)
+
+
+def micro_batches(samples: list[int], size: int) -> list[list[int]]:
+    """A rank's samples cut into micro-batches of at most ``size``, in order."""
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def step_tokens(data: data_mod.TokenStore, indices: list[int], plan) -> dict[str, int]:
+    """A step's real tokens (its samples', no padding) and the token positions all ranks' micro-batches
+    compute, padding included (lockstep's zero-weight repeats not counted): the deal is global, so every
+    rank knows them without a collective."""
+    chunks = [c for d in deal(indices, plan.per_rank) for c in micro_batches(d, plan.micro_batch)]
+    return {"real_tokens": data.real_tokens(indices), "computed_tokens": data.computed_tokens(chunks)}
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:

@@ -43,6 +43,10 @@ class StepResult:
     """Wall-clock time (epoch seconds) the step ended."""
     eta_s: float = float("nan")
     """Seconds left to the run's last step, estimated when the step ended (NaN: unknown yet)."""
+    real_tokens: int | None = None
+    """Global tokens of the step's samples (no padding)."""
+    computed_tokens: int | None = None
+    """Global token positions its micro-batches computed, padding included (lockstep's repeats not counted)."""
 
     @property
     def loss(self) -> float:
@@ -106,6 +110,7 @@ class Metrics:
             "step", quiet=True, step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
             tokens=r.tokens, tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size,
             eta_s=round(eta, 1) if math.isfinite(eta) else None,
+            **({} if r.real_tokens is None else {"real_tokens": r.real_tokens, "computed_tokens": r.computed_tokens}),
         )
         if w.is_leader and (r.step % self.every_steps == 0 or r.step == self.total_steps):
             log.info(

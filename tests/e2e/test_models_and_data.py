@@ -32,17 +32,18 @@ def test_text_field_samples_are_padded_and_masked(tmp_path):
     tok = byte_tokenizer()
     d = data_mod.load(DataConfig(files=[path], text_field="body", max_length=16), tok)
     assert len(d) == 3
-    # "Hello!" is 6 bytes + bos + eos = 8 tokens: 7 targets after the shift, the rest padding.
-    assert d.attention_mask[2].sum() == 8 and d.target_tokens[2] == 7
-    assert tok.decode(d.input_ids[2][1:7]) == "Hello!"
+    # "Hello!" is 6 bytes + bos + eos = 8 tokens: 7 targets after the shift, padded to 8 (its own length).
+    batch = d.batch([2])
+    assert batch["attention_mask"][0].sum() == 8 and d.target_count([2]) == 7
+    assert tok.decode(batch["input_ids"][0][1:7]) == "Hello!"
 
 
 def test_prompt_response_masks_the_prompt(tmp_path):
     path = write_jsonl(tmp_path / "pr.jsonl", [{"q": "2+2=", "a": " 4"}])
     d = data_mod.load(DataConfig(files=[path], prompt_field="q", response_field="a", max_length=16), byte_tokenizer())
-    labels = d.labels[0]
+    labels = d.batch([0])["labels"][0]
     # bos + 4 prompt bytes are ignored; " 4" and eos are the targets.
-    assert (labels[:5] == data_mod.IGNORE).all() and d.target_tokens[0] == 3
+    assert (labels[:5] == data_mod.IGNORE).all() and d.target_count([0]) == 3
 
 
 def test_packing_makes_full_blocks(tmp_path):
@@ -50,7 +51,8 @@ def test_packing_makes_full_blocks(tmp_path):
     d = data_mod.load(DataConfig(files=[path], packing=True, max_length=16), byte_tokenizer())
     total = sum(len(t.encode()) + 2 for t in TEXTS)
     assert len(d) == total // 16
-    assert bool(d.attention_mask.all()) and (d.target_tokens == 15).all()
+    batch = d.batch(list(range(len(d))))
+    assert bool(batch["attention_mask"].all()) and d.target_count(list(range(len(d)))) == 15 * len(d)
 
 
 def test_parquet_and_plain_text_files(tmp_path):
@@ -99,24 +101,6 @@ def test_full_fine_tune_exports_a_whole_model_that_a_local_dir_spec_can_train(tm
     base = build_base_model(spec.model, byte_tokenizer(), spec.seed)
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(dict(base.named_parameters())[name], dict(tuned.named_parameters())[name])
-
-
-def test_json_lines_are_read_without_datasets_and_give_what_datasets_gives(tmp_path):
-    """The worker's start skips ``datasets`` for JSON Lines; the samples are those ``datasets`` reads."""
-    import datasets
-
-    rows = [{"q": "héllo \u2603", "a": " wörld", "extra": 1}, {"q": "2+2=", "a": " 4"}, {"a": "x", "q": ""}]
-    path = tmp_path / "pr.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(json.dumps(r) for r in rows).encode() + b"\n\n")
-    cfg = DataConfig(files=[str(path), str(path)], prompt_field="q", response_field="a", max_length=16)
-    records = data_mod.load_records(cfg)
-    assert isinstance(records, data_mod.JsonLinesRecords)
-    via_datasets = datasets.load_dataset("json", data_files=list(cfg.files), split="train")
-    tok = byte_tokenizer()
-    ours, theirs = data_mod.tokenize(records, cfg, tok), data_mod.tokenize(via_datasets, cfg, tok)
-    for name in ("input_ids", "labels", "attention_mask", "target_tokens"):
-        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    assert len(ours) == 6
 
 
 @pytest.mark.subprocess

@@ -1,0 +1,219 @@
+"""The data path at fine-tuning size: build the token store, restart from it, and the padding it computes.
+
+Generates a synthetic JSON Lines dataset of prompt/response pairs (default 100,000 samples; prompts of
+20-200 words, responses of 50-300) and, with ``data.max_length`` 2048 and the tiny spec's byte tokenizer,
+measures in one run and prints as a table:
+
+- building the token store: one process, and all ranks of a 2-rank torchrun world (gloo);
+- a restart: wall time from process start to the first micro-batch, and the process's maximum RSS
+  (``resource.getrusage``), for the store (committed, on the node) and for the old path (every process
+  tokenizing every sample into ``(n, max_length)`` int64 tensors; at ``--old-samples`` samples, default
+  at most 10,000, since at 100k it needs about 17 GB), and the demo corpus (1,024 lines) for reference;
+- tokens computed per real token: micro-batches of ``--micro-batch`` samples in the trainer's shuffled
+  order, padded to their longest sample (rounded to 8), against padding to ``max_length``.
+
+Every measured process is a fresh interpreter (``--child``), so import and page-cache effects are the
+ones a worker start sees. Usage: ``python bench/data.py [--samples N] [--workdir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the of and to in is was for on that with as by at from his her an which this are be or had it not "
+         "model data train token batch loss step node spot cluster learning rate gradient memory disk cache "
+         "question answer explain describe compare between because therefore however example result").split()
+DEMO = os.path.join(REPO, "data", "tiny-corpus.jsonl")
+
+
+def generate(path: str, samples: int, seed: int = 0) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    with open(path, "w", encoding="utf-8") as f:
+        for start in range(0, samples, 10_000):
+            n = min(10_000, samples - start)
+            plen, rlen = rng.integers(20, 201, n), rng.integers(50, 301, n)
+            picks = rng.integers(0, len(words), int(plen.sum() + rlen.sum()))
+            at = 0
+            for p, r in zip(plen, rlen):
+                prompt = " ".join(words[picks[at:at + p]]); at += p
+                response = " " + " ".join(words[picks[at:at + r]]); at += r
+                f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+
+
+def config(data: str, max_length: int):
+    from elastic_ft.config import DataConfig
+
+    return DataConfig(files=[data], prompt_field="prompt", response_field="response", max_length=max_length)
+
+
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ------------------------------------------------------------------ children (fresh interpreters)
+
+
+def child(args) -> None:
+    t_spawn = float(args.t0)
+    if args.child == "build-rank":  # under torchrun: every rank
+        from elastic_ft.train.world import close_world, init_world
+
+        world = init_world()
+        try:
+            out = _load(args, world)
+            if world.is_leader:
+                print(json.dumps(out), flush=True)
+        finally:
+            close_world(world)
+        return
+    if args.child == "old":
+        from elastic_ft.train.datafiles import read_json_lines
+        from elastic_ft.train.model import byte_tokenizer
+        sys.path.insert(0, REPO)
+        from tests.unit.old_tokenize import old_tokenize
+
+        cfg = config(args.data, args.max_length)
+        rows = read_json_lines([args.data])
+        data = old_tokenize({f: [r[f] for r in rows] for f in ("prompt", "response")}, cfg, byte_tokenizer())
+        idx = list(range(8))
+        _ = {k: v[idx] for k, v in data.items()}  # the first micro-batch
+        print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "samples": len(rows)}), flush=True)
+        return
+    print(json.dumps(_load(args, None)), flush=True)
+
+
+def _load(args, world) -> dict:
+    from elastic_ft.checkpoint.local import LocalStore
+    from elastic_ft.train import data as data_mod
+    from elastic_ft.train.model import byte_tokenizer
+
+    t0 = time.monotonic()
+    store, built = data_mod.load_with_report(config(args.data, args.max_length), byte_tokenizer(), world=world,
+                                             store=LocalStore(args.run_store), run_id="bench")
+    t_built = time.monotonic() - t0
+    _ = store.batch(list(range(min(8, len(store)))))  # the first micro-batch
+    return {"seconds": time.time() - float(args.t0), "load_s": t_built, "built": built.built,
+            "rss_mb": max_rss_mb(), "samples": len(store), "tokens": int(store.header.tokens),
+            "directory": store.directory}
+
+
+def spawn(mode: str, data: str, cache: str, run_store: str, max_length: int, *, ranks: int = 1) -> dict:
+    env = dict(os.environ, ELASTIC_FT_INPUT_CACHE=cache, PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="true")
+    script = os.path.abspath(__file__)
+    tail = ["--child", mode, "--data", data, "--run-store", run_store, "--max-length", str(max_length)]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               script, *tail]
+    else:
+        cmd = [sys.executable, script, *tail]
+    t0 = time.time()
+    proc = subprocess.run([*cmd, "--t0", repr(t0)], env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    out["wall_s"] = time.time() - t0
+    return out
+
+
+# ------------------------------------------------------------------ padding
+
+
+def padding_ratio(directory: str, micro_batch: int, seed: int) -> tuple[float, float]:
+    """Tokens computed per real token over one epoch in the trainer's order: per micro-batch padding, and
+    padding to max_length."""
+    import numpy as np
+
+    from elastic_ft.train.cursor import take
+    from elastic_ft.train.token_store import TokenStore
+
+    store = TokenStore(directory)
+    n = len(store)
+    order = [i for _, i in take(0, n, n, seed)]
+    real = store.real_tokens(order)
+    chunks = [order[i:i + micro_batch] for i in range(0, n, micro_batch)]
+    per_micro = store.computed_tokens(chunks)
+    return per_micro / real, n * store.max_length / real
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=100_000)
+    p.add_argument("--old-samples", type=int, default=None, help="samples for the old path (default: min(samples, 10000))")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--workdir", default=None, help="where the data and stores go (default: a temporary directory)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run-store", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--t0", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    if not 1 <= args.samples <= 10_000_000:
+        raise SystemExit("--samples: give 1 to 10000000")
+    old_samples = args.old_samples or min(args.samples, 10_000)
+    work = args.workdir or tempfile.mkdtemp(prefix="bench-data-")
+    os.makedirs(work, exist_ok=True)
+    data = os.path.join(work, f"synthetic-{args.samples}.jsonl")
+    old_data = os.path.join(work, f"synthetic-{old_samples}.jsonl")
+    t = time.time()
+    generate(data, args.samples)
+    if old_samples != args.samples:
+        generate(old_data, old_samples)
+    else:
+        old_data = data
+    print(f"generated {args.samples:,} samples ({os.path.getsize(data) / 2**20:.0f} MiB) in {time.time() - t:.1f} s",
+          flush=True)
+    rows = []
+
+    def fresh(name: str) -> tuple[str, str]:
+        cache, store = os.path.join(work, name, "cache"), os.path.join(work, name, "runs")
+        shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+        return cache, store
+
+    cache, store = fresh("one")
+    b1 = spawn("load", data, cache, store, args.max_length)
+    rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"]))
+    cache2, store2 = fresh("two")
+    b2 = spawn("build-rank", data, cache2, store2, args.max_length, ranks=2)
+    rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"]))
+    r = spawn("load", data, cache, store, args.max_length)
+    assert not r["built"], "the restart built the store again"
+    rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"]))
+    dcache, dstore = fresh("demo")
+    spawn("load", DEMO, dcache, dstore, 48)
+    d = spawn("load", DEMO, dcache, dstore, 48)
+    rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"]))
+    o = spawn("old", old_data, cache, store, args.max_length)
+    rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"]))
+    od = spawn("old", DEMO, cache, store, 48)
+    rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"]))
+    per_micro, to_max = padding_ratio(b1["directory"], args.micro_batch, seed=1234)
+
+    print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
+    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s}")
+    for name, n, s, rss in rows:
+        print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f}")
+    print(f"\ntokens computed per real token (micro-batch {args.micro_batch}, shuffled order):")
+    print(f"  padded per micro-batch (to its longest, multiple of 8): {per_micro:.3f}")
+    print(f"  padded to max_length (the old path):                    {to_max:.3f}")
+    print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
+
+
+if __name__ == "__main__":
+    main()

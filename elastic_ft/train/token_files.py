@@ -1,0 +1,273 @@
+"""The token store's files: assembled from the ranks' parts, cut into blobs, and the node's verified copy.
+
+:func:`assemble` concatenates the parts in rank order into the store's files
+(so the bytes do not depend on how many ranks built them); :func:`upload_files`
+cuts a file into blobs of at most :data:`PIECE_BYTES`; :func:`localize` gives a
+node its copy of a committed store under ``<node cache>/tokens/<identity>/``:
+fetched a piece at a time and checked against the manifest once, then trusted
+while its files keep the size, mtime and inode recorded when it was checked
+(``verified.json``). Several ranks of a node share a copy under a file lock.
+
+Cost: assembling, one pass over the tokens; a fetch, one download (memory:
+one piece); a start with a verified copy, a few stats.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import itertools
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+
+from elastic_ft.checkpoint.digest import CHUNK_SIZE, BlobDigest
+from elastic_ft.checkpoint.errors import BlobMismatch, ObjectNotFound
+from elastic_ft.checkpoint.manifest import BlobRef
+from elastic_ft.checkpoint.store import ObjectStore
+from elastic_ft.checkpoint.writer import CheckpointWriter
+from elastic_ft.config import DataConfig
+from elastic_ft.train.datafiles import DataError
+from elastic_ft.train.token_store import FILES, Header
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 64 << 20
+"""The largest blob a store file is cut into (a multiple of the digest's chunk): what a node holds in
+memory while it fetches the store, whatever the store's size."""
+
+
+class _Sink:
+    """An output file that takes a byte budget (None: unlimited) and drops what exceeds it."""
+
+    def __init__(self, path: str, budget: int | None) -> None:
+        self.f, self.left = open(path, "wb"), budget
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        if self.left is not None:
+            data = data[: self.left]
+            self.left -= len(data)
+        self.f.write(data)
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def assemble(parts: list, cfg: DataConfig, dtype: np.dtype, pad_id: int, vocab_size: int, ident: str,
+             out: str) -> Header:
+    """The store's files in ``out`` from ``parts`` in rank order; each part is a callable ``read(name)``
+    yielding the bytes of its part file ``name`` in order (a local file, or its pieces from the store)."""
+    lengths = np.concatenate([np.frombuffer(b"".join(bytes(b) for b in read("lengths.bin")), dtype="<i8")
+                              for read in parts]) if parts else np.zeros(0, np.int64)
+    total = int(lengths.sum())
+    length = cfg.max_length
+    if cfg.packing:
+        samples = total // length
+        offsets = np.arange(0, samples * length + 1, length, dtype="<i8")
+        targets = np.full(samples, length - 1, dtype="<i8")
+    else:
+        samples = len(lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+        targets = None
+    if samples == 0:
+        raise DataError(f"data yields no samples of max_length {length}; add data or lower data.max_length")
+    used = int(offsets[-1])
+    os.makedirs(out, exist_ok=True)
+    for name, width in (("tokens.bin", dtype.itemsize), ("trained.bin", 1)):
+        sink = _Sink(os.path.join(out, name), used * width)
+        for read in parts:
+            for piece in read(name):
+                sink.write(piece)
+        sink.close()
+    with open(os.path.join(out, "offsets.bin"), "wb") as f:
+        f.write(offsets.tobytes())
+    with open(os.path.join(out, "targets.bin"), "wb") as f:
+        if targets is not None:
+            f.write(targets.tobytes())
+        else:
+            for read in parts:
+                for piece in read("targets.bin"):
+                    f.write(piece)
+    header = Header(dtype=dtype.str, samples=samples, tokens=used, max_length=length, pad_id=pad_id,
+                    vocab_size=vocab_size, identity=ident)
+    with open(os.path.join(out, "header.json"), "wb") as f:
+        f.write(header.to_json())
+    return header
+
+
+def local_reader(directory: str):
+    def read(name: str) -> Iterator[bytes]:
+        with open(os.path.join(directory, name), "rb") as f:
+            while chunk := f.read(PIECE_BYTES):
+                yield chunk
+    return read
+
+
+def store_reader(store: ObjectStore, refs: dict[str, list[BlobRef]]):
+    def read(name: str) -> Iterator[bytes | memoryview]:
+        for ref in refs[name]:
+            yield store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size)
+    return read
+
+
+# ---------------------------------------------------------------- blobs of files
+
+
+def upload_files(writer: CheckpointWriter, directory: str, names, prefix: str) -> dict[str, list[BlobRef]]:
+    """Each file of ``directory`` named in ``names`` as blobs of at most :data:`PIECE_BYTES` under ``prefix``."""
+    out: dict[str, list[BlobRef]] = {}
+    for name in names:
+        refs = []
+        with open(os.path.join(directory, name), "rb") as f:
+            for n in itertools.count():
+                piece = f.read(PIECE_BYTES)
+                if not piece and n:
+                    break
+                refs.append(writer.put_blob(f"{prefix}{name}/{n:05d}", piece))
+                if len(piece) < PIECE_BYTES:
+                    break
+        out[name] = refs
+    return out
+
+
+def blob_name(name: str, n: int) -> str:
+    return f"{name}/{n:05d}"
+
+
+def _pieces(manifest) -> dict[str, list[BlobRef]]:
+    """The manifest's blobs grouped by store file, in piece order."""
+    out: dict[str, list[BlobRef]] = {}
+    for blob, ref in sorted(manifest.blobs.items()):
+        name, _, _ = blob.rpartition("/")
+        out.setdefault(name, []).append(ref)
+    return out
+
+
+def verify_file(path: str, refs: list[BlobRef]) -> str | None:
+    """Why the local file ``path`` is not the concatenation of ``refs``' blobs (None: it is), hashing it
+    chunk by chunk with ``pread`` (memory: one chunk per thread)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        return f"{path}: {exc}"
+    if size != sum(r.size for r in refs):
+        return f"{path} has {size} bytes, the store's manifest records {sum(r.size for r in refs)}"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        for ref in refs:
+            digest = BlobDigest(ref.size, ref.chunk_size or CHUNK_SIZE)
+            step = CHUNK_SIZE if digest.any_order else ref.size
+            starts = range(0, ref.size, step) if ref.size else [0]
+
+            def piece(start: int, base=offset, ref=ref, step=step) -> tuple[int, bytes]:
+                return start, os.pread(fd, min(step, ref.size - start), base + start)
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+                for start, data in pool.map(piece, starts):
+                    digest.update(start, data)
+            if digest.hexdigest() != ref.sha256:
+                return f"{path}: bytes {offset}..{offset + ref.size} differ from blob {ref.key}"
+            offset += ref.size
+    finally:
+        os.close(fd)
+    return None
+
+
+# ---------------------------------------------------------------- the node copy
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _stamp(directory: str) -> dict[str, list[int]]:
+    out = {}
+    for name in FILES:
+        st = os.stat(os.path.join(directory, name))
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return out
+
+
+def mark_verified(directory: str, manifest) -> None:
+    doc = {"writer": manifest.writer, "created": manifest.created, "files": _stamp(directory)}
+    tmp = os.path.join(directory, f".verified.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    os.replace(tmp, os.path.join(directory, "verified.json"))
+
+
+def _marked(directory: str, manifest) -> bool:
+    try:
+        with open(os.path.join(directory, "verified.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+        return (doc.get("writer"), doc.get("created")) == (manifest.writer, manifest.created) and \
+            doc.get("files") == _stamp(directory)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class StoreTorn(Exception):
+    """A committed store's blob does not match its manifest."""
+
+
+def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
+    """The node's verified copy of the committed store (fetched if missing or wrong); raises
+    :class:`StoreTorn` when the run's store holds a blob that does not match the manifest."""
+    final = os.path.join(node_root, ident)
+    pieces = _pieces(manifest)
+    with locked(final + ".lock"):
+        if os.path.isdir(final):
+            if _marked(final, manifest):
+                return final
+            problems = [p for name, refs in pieces.items() if (p := verify_file(os.path.join(final, name), refs))]
+            if not problems:
+                mark_verified(final, manifest)
+                return final
+            log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
+        tmp = os.path.join(node_root, f".fetch-{uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp)
+        try:
+            for name, refs in pieces.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    for ref in refs:
+                        try:
+                            f.write(store.get_verified(ref.key, size=ref.size, sha256=ref.sha256,
+                                                       chunk_size=ref.chunk_size))
+                        except (BlobMismatch, ObjectNotFound) as exc:
+                            raise StoreTorn(str(exc)) from exc
+                    f.flush()
+                    os.fsync(f.fileno())
+            replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        mark_verified(final, manifest)
+        return final
+
+
+def replace_dir(src: str, dst: str) -> None:
+    if os.path.isdir(dst):
+        gone = f"{dst}.gone-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    os.rename(src, dst)
+
+
+__all__ = ["PIECE_BYTES", "StoreTorn", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
+           "replace_dir", "store_reader", "upload_files", "verify_file"]

@@ -1,0 +1,213 @@
+"""The token store (elastic_ft.train.token_build / token_store), in this process: the samples equal the old
+path's token for token, its identity follows every input that changes tokens, a torn blob is never used,
+a restart reads no data file, and a micro-batch is padded to its own longest sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_ft.checkpoint.local import LocalStore
+from elastic_ft.config import DataConfig, load_spec
+from elastic_ft.train import data as data_mod
+from elastic_ft.train.model import byte_tokenizer
+from elastic_ft.train.token_store import IGNORE, PAD_MULTIPLE
+from tests.conftest import DEFAULT_SPEC
+from tests.unit.old_tokenize import old_tokenize
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A node cache of the test's own (the token store's node copies live under it)."""
+    root = tmp_path / "node-cache"
+    monkeypatch.setenv("ELASTIC_FT_INPUT_CACHE", str(root))
+    return root
+
+
+def write_jsonl(path, rows, prefix=b""):
+    path.write_bytes(prefix + b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    return str(path)
+
+
+def varied_rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"q": " ".join(rng.choice(WORDS, rng.integers(1, 12))), "a": " " + " ".join(rng.choice(WORDS, rng.integers(1, 9)))}
+            for _ in range(n)]
+
+
+def columns(rows, fields):
+    return {f: [r[f] for r in rows] for f in fields}
+
+
+def assert_same_samples(store, old):
+    """Each stored sample is the old path's row without its padding: ids, labels and target count."""
+    lengths = old["attention_mask"].sum(dim=1)
+    assert len(store) == len(lengths)
+    for i in range(len(store)):
+        ids, trained = store.sample(i)
+        k = int(lengths[i])
+        assert len(ids) == k, i
+        assert ids.astype(np.int64).tolist() == old["input_ids"][i, :k].tolist(), i
+        labels = np.where(trained.astype(bool), ids.astype(np.int64), IGNORE)
+        assert labels.tolist() == old["labels"][i, :k].tolist(), i
+        assert (old["labels"][i, k:] == IGNORE).all()
+    assert store.targets.tolist() == old["target_tokens"].tolist()
+
+
+def test_demo_corpus_samples_equal_the_old_path_token_for_token(cache):
+    spec = load_spec(DEFAULT_SPEC, [])
+    tok = byte_tokenizer()
+    store = data_mod.load(spec.data, tok)
+    with open(spec.data.files[0]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert len(rows) == 1024
+    assert_same_samples(store, old_tokenize(columns(rows, ["prompt", "response"]), spec.data, tok))
+    assert store.tokens.dtype == np.uint16  # 259 ids: the smallest unsigned type that holds them
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["text", "packing"])
+def test_text_and_packed_samples_equal_the_old_path(cache, tmp_path, packing):
+    rows = [{"body": " ".join(r.values())} for r in varied_rows(60)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    cfg = DataConfig(files=[path], text_field="body", max_length=24, packing=packing)
+    tok = byte_tokenizer()
+    store = data_mod.load(cfg, tok)
+    assert_same_samples(store, old_tokenize(columns(rows, ["body"]), cfg, tok))
+
+
+def test_json_lines_streamed_and_parquet_through_datasets_give_the_same_samples(cache, tmp_path):
+    import datasets
+
+    rows = [{"q": "héllo \u2603", "a": " wörld", "extra": 1}, {"q": "2+2=", "a": " 4"}, {"a": "x", "q": ""}]
+    jsonl = tmp_path / "pr.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(json.dumps(r) for r in rows).encode() + b"\n\n")
+    parquet = str(tmp_path / "pr.parquet")
+    datasets.Dataset.from_list([{"q": r["q"], "a": r["a"]} for r in rows]).to_parquet(parquet)
+    tok = byte_tokenizer()
+    ours = data_mod.load(DataConfig(files=[str(jsonl), str(jsonl)], prompt_field="q", response_field="a", max_length=16), tok)
+    theirs = data_mod.load(DataConfig(files=[parquet, parquet], prompt_field="q", response_field="a", max_length=16), tok)
+    assert len(ours) == 6
+    for name in ("tokens", "trained", "offsets", "targets"):
+        assert np.array_equal(getattr(ours, name), getattr(theirs, name)), name
+
+
+def test_a_micro_batch_is_as_long_as_its_longest_sample_rounded_to_8(cache, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 10, 20, 45)])
+    cfg = DataConfig(files=[path], max_length=48)
+    tok = byte_tokenizer()
+    store = data_mod.load(cfg, tok)
+    old = old_tokenize({"text": ["x" * n for n in (3, 10, 20, 45)]}, cfg, tok)
+    # Lengths with BOS and EOS: 5, 12, 22, 47 tokens.
+    for chunk, width in (([0], 8), ([0, 1], 16), ([1, 0, 2], 24), ([2, 3], 48)):
+        batch = store.batch(chunk)
+        assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (len(chunk), width) for k in batch}
+        for key in ("input_ids", "labels", "attention_mask"):
+            assert torch.equal(batch[key], old[key][chunk, :width]), key
+        assert width % PAD_MULTIPLE == 0 or width == cfg.max_length
+    # The step's computed tokens: each micro-batch's rows times its padded length.
+    assert store.computed_tokens([[0, 1], [2, 3]]) == 2 * 16 + 2 * 48
+    assert store.real_tokens([0, 1, 2, 3]) == 5 + 12 + 22 + 47
+
+
+def test_identity_follows_the_data_the_tokenizer_and_max_length(cache, tmp_path):
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, varied_rows(20))
+    cfg = DataConfig(files=[str(path)], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    _, first = data_mod.load_with_report(cfg, tok)
+    _, again = data_mod.load_with_report(cfg, tok)
+    assert first.built and not again.built and again.identity == first.identity
+    identities = {first.identity}
+    write_jsonl(path, varied_rows(20, seed=1))  # new contents
+    _, changed = data_mod.load_with_report(cfg, tok)
+    identities.add(changed.identity)
+    other = byte_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<sep>"]})
+    identities.add(data_mod.load_with_report(cfg, other)[1].identity)
+    shorter = DataConfig(files=[str(path)], prompt_field="q", response_field="a", max_length=16)
+    identities.add(data_mod.load_with_report(shorter, tok)[1].identity)
+    assert len(identities) == 4
+
+
+def _run_store(tmp_path):
+    return LocalStore(str(tmp_path / "runs" / "r"))
+
+
+def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    expected = np.array(good.tokens)
+    run = tmp_path / "runs" / "r" / "tokens" / built.identity
+    blob = next((run / "blobs").glob("*/tokens.bin/00000"))
+    torn = bytearray(blob.read_bytes())
+    torn[len(torn) // 2] ^= 0xFF  # an altered byte: the same size, another digest
+    blob.write_bytes(bytes(torn))
+    node_copy = cache / "tokens" / built.identity
+    for name in os.listdir(node_copy):  # a node that never had it: it must fetch from the run's store
+        os.remove(node_copy / name)
+    os.rmdir(node_copy)
+    store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    assert again.built and again.identity == built.identity
+    assert np.array_equal(np.array(store.tokens), expected)
+    assert "is not used, and is built again" in caplog.text
+    assert len(os.listdir(run / "quarantine")) == 1  # the torn store's manifest, kept for inspection
+    # The rebuilt store's blobs are verified: a third start maps it without building.
+    assert not data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].built
+
+
+def test_an_altered_node_copy_is_fetched_again_not_used(cache, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    expected = np.array(good.tokens)
+    copy = cache / "tokens" / built.identity / "tokens.bin"
+    data = bytearray(copy.read_bytes())
+    data[3] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    assert not again.built
+    assert np.array_equal(np.array(store.tokens), expected)
+
+
+def test_a_restart_reads_no_data_file(cache, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    assert data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].built
+    opened: list[str] = []
+    watched = os.path.realpath(path)
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and \
+                os.path.realpath(os.fsdecode(args[0])) == watched:
+            opened.append(event)
+
+    sys.addaudithook(hook)  # cannot be removed; it only appends to this test's list
+    try:
+        store, report = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+        assert not report.built and len(store) == 40
+        assert opened == []
+    finally:
+        watched = None
+
+
+def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
+    from types import SimpleNamespace
+
+    from elastic_ft.train.loop import step_tokens
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 10, 20, 45)])
+    store = data_mod.load(DataConfig(files=[path], max_length=48), byte_tokenizer())
+    # Rank 0 is dealt samples 0, 1, 2 (micro-batches [0, 1] and [2]), rank 1 sample 3: 5, 12, 22, 47 tokens.
+    plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
+    assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 16 + 24 + 48}
