@@ -49,9 +49,9 @@ def template_text(tokenizer, field: str) -> str:
     except (ValueError, AttributeError):
         pass
     if not isinstance(template, str) or not template:
-        raise DataError(f"data.messages_field {field!r}: the tokenizer {type(tokenizer).__name__} has no chat "
-                        f"template to render the conversations with; use a tokenizer that has one (model.tokenizer, "
-                        f"e.g. an instruct model's) or train on data.prompt_field/response_field")
+        raise DataError(f"data.messages_field {field!r}: the tokenizer has no chat template to render the "
+                        f"conversations with; use a tokenizer that has one (model.tokenizer, e.g. an instruct "
+                        f"model's) or train on data.prompt_field/response_field")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"data.messages_field {field!r}: the tokenizer {type(tokenizer).__name__} is not a fast "
                         f"tokenizer, and the assistant turns are found by its character offsets; use its fast version")
