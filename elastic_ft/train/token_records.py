@@ -168,19 +168,15 @@ def encode_chat(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer
     unless packing. Records are numbered from ``first``; ``place(index)`` names one in an error."""
     field = cfg.messages_field
     cut = None if cfg.packing else cfg.max_length
-    samples, marks = [], []
-    for k, messages in enumerate(columns[field]):
-        problem = conversation_problem(messages, field)
-        try:
-            if problem is None:
-                ids, mask = chat.encode_conversation(tokenizer, template, messages)
-        except chat.ConversationError as exc:
-            problem = f"field {field!r}: {exc}"
-        if problem is not None:
+    conversations = columns[field]
+    for k, messages in enumerate(conversations):  # a parquet or hub row: JSON Lines were checked already
+        if (problem := conversation_problem(messages, field)) is not None:
             raise DataError(f"{place(first + k)}: {problem}; fix or remove that record")
-        samples.append(ids[:cut])
-        marks.append(mask[:cut])
-    return samples, marks
+    try:
+        samples, marks = chat.encode_conversations(tokenizer, template, conversations)
+    except chat.ConversationError as exc:
+        raise DataError(f"{place(first + exc.index)}: field {field!r}: {exc}; fix or remove that record") from exc
+    return [s[:cut] for s in samples], [m[:cut] for m in marks]
 
 
 def encode_marked(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer, template: str | None = None,
