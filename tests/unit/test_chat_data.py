@@ -230,3 +230,21 @@ def test_chat_data_with_another_kind_of_sample_is_one_problem(fields, named):
     problems = [(f, m) for f, m in validate(spec, check_files=False) if f.startswith("data")]
     assert problems == [("data.messages_field", f"chat data cannot be combined with {named}; set either "
                                                 f"messages_field or those")]
+
+
+def test_the_messages_field_is_part_of_the_config_hash():
+    # A checkpoint of a run trained on one field must not resume a run of another.
+    def spec(**data):
+        return JobSpec(model=ModelConfig(config={"model_type": "llama"}), steps=1,
+                       data=DataConfig(files=["x.jsonl"], **data))
+    assert spec(messages_field="messages").hash() != spec(messages_field="chat").hash()
+    assert spec(messages_field="messages").hash() != spec().hash()
+
+
+def test_a_saved_byte_tokenizer_keeps_its_chat_template(tmp_path):
+    # The exported model's tokenizer renders conversations as training did.
+    from transformers import AutoTokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.apply_chat_template(CONVERSATION, return_dict=True)["input_ids"] == expected(loaded, CONVERSATION)[0]
