@@ -8,12 +8,14 @@ end-of-turn tokens included) and tokenized once; a token is trained when it
 overlaps an assistant turn's trained span: the turn's content and its
 end-of-turn text, not its role header (as TRL and axolotl do).
 
-How the spans are found (:func:`assistant_spans`):
+How the spans are found (:func:`encode_conversations`):
 
 - a template with ``{% generation %}`` blocks marks them itself: transformers'
-  ``return_assistant_tokens_mask`` (the template author's choice of tokens);
-- any other template: by rendering prefixes (TRL's check of the prefix
-  property). Turn ``i``'s span runs from the end of the conversation before it
+  ``return_assistant_tokens_mask`` (the template author's choice of tokens;
+  what TRL's ``assistant_only_loss`` requires, and why TRL ships patched
+  training templates for the model families whose templates lack them);
+- any other template: by rendering prefixes (:func:`assistant_spans`; the
+  property TRL's ``is_chat_template_prefix_preserving`` checks). Turn ``i``'s span runs from the end of the conversation before it
   rendered with the generation prompt (the assistant header) to the end of the
   conversation through it. Each such rendering must be a prefix of the whole
   rendering; a template that renders an earlier turn differently once later
