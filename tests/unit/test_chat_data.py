@@ -248,3 +248,25 @@ def test_a_saved_byte_tokenizer_keeps_its_chat_template(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.apply_chat_template(CONVERSATION, return_dict=True)["input_ids"] == expected(loaded, CONVERSATION)[0]
+
+
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+"""ChatML as Qwen and many others ship it (no generation blocks), its markers as plain text here."""
+
+
+def test_a_chatml_template_trains_each_assistant_turn_through_its_end_of_turn(tmp_path):
+    # Prefix rendering: a turn's span ends where the next turn begins, so the newline after <|im_end|> is in it.
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    tok = tokenizer(CHATML)
+    ids, trained = load(path, tok).sample(0)
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION)
+    assert tok.decode(ids) == text
+    runs, current = [], []
+    for token, mark in zip(ids.tolist(), trained.tolist()):
+        if mark:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    assert [tok.decode(run) for run in runs] == ["5.<|im_end|>\n", "That makes 9.<|im_end|>\n"]
