@@ -1,17 +1,25 @@
 """Chat data end to end: specs/tiny-chat-lora.yaml trains in this process (the worker's own entry point,
 world 1) and its loss falls, counting only the assistant turns' tokens; a bad conversation through the
-`elastic-ft train` command is one error line naming the file's line, no traceback."""
+`elastic-ft train` command is one error line naming the file's line, no traceback; the chat store built by a
+2-process torchrun world is byte-identical to a 1-process build."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import sys
 
 import pytest
 
 from elastic_ft import worker
+from elastic_ft.checkpoint.local import LocalStore
+from elastic_ft.config import DataConfig
 from elastic_ft.runevents.events import read_events
-from tests.conftest import REPO, cli, explain, process_env
+from elastic_ft.train import data as data_mod
+from elastic_ft.train.model import byte_tokenizer
+from elastic_ft.train.token_store import FILES
+from tests.conftest import REPO, cli, explain, process_env, run
 
 CHAT_SPEC = os.path.join(REPO, "specs", "tiny-chat-lora.yaml")
 CHAT_DATA = os.path.join(REPO, "data", "tiny-chat.jsonl")
@@ -48,3 +56,29 @@ def test_a_bad_conversation_through_the_cli_is_one_line(tmp_path):
     assert errors == [f"elastic_ft: error: data.files[0]:7: field 'messages' message 2 has no 'role' (one of system, "
                       f"user, assistant, tool); fix or remove line 7 of {str(bad)!r}"], explain(proc)
     assert proc.stderr.splitlines()[-1] == errors[0], explain(proc)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_two_ranks_build_the_chat_store_byte_identical_to_one(tmp_path, monkeypatch):
+    # Each rank renders its share of the conversations; the leader's concatenation is the 1-process build's bytes.
+    configs = [DataConfig(files=[CHAT_DATA], messages_field="messages", max_length=96),  # some cut
+               DataConfig(files=[CHAT_DATA], messages_field="messages", max_length=64, packing=True)]
+    two_cache = tmp_path / "cache-2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(os.path.dirname(__file__), "token_store_ranks.py"), str(tmp_path / "runs-2" / "r"),
+           *(json.dumps(dataclasses.asdict(c)) for c in configs)]
+    proc = run(cmd, env=process_env(ELASTIC_FT_INPUT_CACHE=str(two_cache), PYTHONPATH=REPO), timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    reported = [line.split() for line in proc.stdout.splitlines() if line.startswith("identity ")]
+    assert [r[3] for r in reported] == ["True", "True"], proc.stdout
+    monkeypatch.setenv("ELASTIC_FT_INPUT_CACHE", str(tmp_path / "cache-1"))
+    for cfg, line in zip(configs, reported):
+        store, built = data_mod.load_with_report(cfg, byte_tokenizer(), store=LocalStore(str(tmp_path / "runs-1" / "r")),
+                                                 run_id="r")
+        assert built.built and built.identity == line[1]
+        assert 0 < int(store.trained.sum()) < len(store.trained)  # assistant turns only
+        for name in FILES:
+            ours = (tmp_path / "cache-1" / "tokens" / built.identity / name).read_bytes()
+            theirs = (two_cache / "tokens" / built.identity / name).read_bytes()
+            assert ours == theirs, (cfg.packing, name)

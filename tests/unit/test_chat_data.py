@@ -270,3 +270,19 @@ def test_a_chatml_template_trains_each_assistant_turn_through_its_end_of_turn(tm
             runs, current = runs + [current], []
     runs += [current] if current else []
     assert [tok.decode(run) for run in runs] == ["5.<|im_end|>\n", "That makes 9.<|im_end|>\n"]
+
+
+def test_a_rank_names_the_line_of_a_record_in_its_own_share(tmp_path):
+    # A rank tokenizes records lo..hi-1 only: the line it names is the file's, not its place in the share.
+    from elastic_ft.train.token_records import Records, tokenize_share
+    from elastic_ft.train.token_store import token_dtype
+
+    template = "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool first') }}{%- endif %}" + BYTE_CHAT_TEMPLATE
+    path = corpus(tmp_path, turns({"role": "tool", "content": "{}"}, USER, ASSISTANT))
+    cfg = DataConfig(files=[path], messages_field="messages", max_length=256)
+    records = Records(cfg, "json")
+    tok = tokenizer(template)
+    tokenize_share(records, 0, 30, cfg, tok, token_dtype(len(tok)), str(tmp_path / "part-0"))  # no bad record
+    with pytest.raises(data_mod.DataError, match=rf"^data.files\[0\]:{BAD_LINE}: field 'messages': the chat "
+                                                 rf"template cannot render it: no tool first; fix or remove"):
+        tokenize_share(records, 30, 60, cfg, tok, token_dtype(len(tok)), str(tmp_path / "part-1"))
