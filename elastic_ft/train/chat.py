@@ -15,14 +15,15 @@ How the spans are found (:func:`encode_conversations`):
   what TRL's ``assistant_only_loss`` requires, and why TRL ships patched
   training templates for the model families whose templates lack them);
 - any other template: by rendering prefixes (:func:`assistant_spans`; the
-  property TRL's ``is_chat_template_prefix_preserving`` checks). Turn ``i``'s span runs from the end of the conversation before it
-  rendered with the generation prompt (the assistant header) to the end of the
-  conversation through it. Each such rendering must be a prefix of the whole
-  rendering; a template that renders an earlier turn differently once later
-  turns follow (one that drops earlier reasoning, say) fails that check, and
-  the record is refused naming it, rather than trained on guessed spans. The
-  span then includes what the template writes between the turn's end-of-turn
-  token and the next turn (ChatML's newline).
+  property TRL's ``is_chat_template_prefix_preserving`` checks). Turn ``i``'s
+  span runs from the end of the conversation before it rendered with the
+  generation prompt (the assistant header) to the end of the conversation
+  through it. Each such rendering must be a prefix of the whole rendering; a
+  template that renders an earlier turn differently once later turns follow
+  (one that drops earlier reasoning, say) fails that check, and the record is
+  refused naming it, rather than trained on guessed spans. The span then
+  includes what the template writes between the turn's end-of-turn token and
+  the next turn (ChatML's newline).
 
 Both ways map character spans to tokens by the fast tokenizer's offsets with
 the same rule (a token overlapping a span is trained), so they agree on a

@@ -74,8 +74,8 @@ def test_two_ranks_build_the_chat_store_byte_identical_to_one(tmp_path, monkeypa
     assert [r[3] for r in reported] == ["True", "True"], proc.stdout
     monkeypatch.setenv("ELASTIC_FT_INPUT_CACHE", str(tmp_path / "cache-1"))
     for cfg, line in zip(configs, reported):
-        store, built = data_mod.load_with_report(cfg, byte_tokenizer(), store=LocalStore(str(tmp_path / "runs-1" / "r")),
-                                                 run_id="r")
+        one_rank = LocalStore(str(tmp_path / "runs-1" / "r"))
+        store, built = data_mod.load_with_report(cfg, byte_tokenizer(), store=one_rank, run_id="r")
         assert built.built and built.identity == line[1]
         assert 0 < int(store.trained.sum()) < len(store.trained)  # assistant turns only
         for name in FILES:

@@ -110,7 +110,8 @@ def test_a_template_that_renders_a_prefix_differently_is_refused_naming_the_line
     # Marks the last message: a prefix of the conversation then is not a prefix of the whole rendering.
     last = "('[last]' if loop.last else '') + "
     template = WITHOUT_GENERATION_BLOCKS.replace("{{- '<|' + message", "{{- " + last + "'<|' + message")
-    template = template.replace("{{- '<|assistant|>\\n' }}{{ message", "{{- " + last + "'<|assistant|>\\n' }}{{ message")
+    header = "'<|assistant|>\\n' }}{{ message"
+    template = template.replace("{{- " + header, "{{- " + last + header)
     assert template.count("[last]") == 2
     rows = [{"messages": CONVERSATION[1:3]}] * 3 + [{"messages": CONVERSATION}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -155,9 +156,11 @@ ASSISTANT = {"role": "assistant", "content": "hello"}
 
 
 @pytest.mark.parametrize("bad, problem", [
-    (turns({"content": "hi"}, ASSISTANT), "field 'messages' message 1 has no 'role' (one of system, user, assistant, tool)"),
+    (turns({"content": "hi"}, ASSISTANT),
+     "field 'messages' message 1 has no 'role' (one of system, user, assistant, tool)"),
     (turns({"role": "human", "content": "hi"}, ASSISTANT), "field 'messages' message 1 has role 'human', not one of"),
-    (turns(USER, {"role": "assistant", "content": None}), "field 'messages' message 2 has 'content' that is null, not text"),
+    (turns(USER, {"role": "assistant", "content": None}),
+     "field 'messages' message 2 has 'content' that is null, not text"),
     (turns(USER, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}),
      "field 'messages' message 2 has 'content' that is an array, not text"),
     (turns(USER, {"role": "assistant"}), "field 'messages' message 2 has no 'content'"),
@@ -177,9 +180,13 @@ def test_a_bad_conversation_is_one_line_naming_the_field_and_line(tmp_path, bad,
     assert path in message and "\n" not in message
 
 
+REFUSES_TOOL_FIRST = ("{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool first') }}{%- endif %}"
+                      + BYTE_CHAT_TEMPLATE)
+
+
 def test_a_template_error_names_the_line(tmp_path):
     # The template's own refusal (jinja's raise_exception), found while tokenizing: still the line, not a record index.
-    template = "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool first') }}{%- endif %}" + BYTE_CHAT_TEMPLATE
+    template = REFUSES_TOOL_FIRST
     path = corpus(tmp_path, turns({"role": "tool", "content": "{}"}, USER, ASSISTANT))
     with open(path, "a") as f:
         f.write("\n\n")  # blank lines do not count as records, nor shift the line numbers
@@ -251,7 +258,8 @@ def test_a_saved_byte_tokenizer_keeps_its_chat_template(tmp_path):
 
 
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+          "'<|im_end|>' + '\\n' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 """ChatML as Qwen and many others ship it (no generation blocks), its markers as plain text here."""
 
 
@@ -277,7 +285,7 @@ def test_a_rank_names_the_line_of_a_record_in_its_own_share(tmp_path):
     from elastic_ft.train.token_records import Records, tokenize_share
     from elastic_ft.train.token_store import token_dtype
 
-    template = "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool first') }}{%- endif %}" + BYTE_CHAT_TEMPLATE
+    template = REFUSES_TOOL_FIRST
     path = corpus(tmp_path, turns({"role": "tool", "content": "{}"}, USER, ASSISTANT))
     cfg = DataConfig(files=[path], messages_field="messages", max_length=256)
     records = Records(cfg, "json")
