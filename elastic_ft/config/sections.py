@@ -83,6 +83,11 @@ class DataConfig:
     """Field holding the prompt; with ``response_field`` the loss covers the response only."""
     response_field: str | None = None
     """Field holding the response."""
+    messages_field: str | None = None
+    """Field holding a conversation (chat data): a list of ``{"role", "content"}`` messages, roles system, user,
+    assistant or tool, as in the OpenAI and Hugging Face chat format. Rendered with the tokenizer's chat
+    template; the loss covers the assistant turns only (their content and end-of-turn token, not their role
+    header). Cannot be combined with ``text_field``, ``prompt_field`` or ``response_field``."""
     max_length: int = 128
     """Tokens per sample (longer texts are truncated; with packing, the block size)."""
     packing: bool = False
@@ -265,6 +270,8 @@ class JobSpec:
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         d["model"].pop("gradient_checkpointing", None)  # recomputes the same activations
         d["model"].pop("loss_chunk_tokens", None)  # the same loss, summed by chunks
+        if d["data"].get("messages_field") is None:  # added later: runs without chat data keep their hash
+            d["data"].pop("messages_field", None)
         d.pop("parallelism", None)  # where the state lives, not what is computed (up to the order of float sums)
         # Sections added later hash as before while at their defaults: older runs keep their hash.
         for section, cls in (("precision", PrecisionConfig),):

@@ -41,6 +41,14 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(bool(d.files) != bool(d.dataset), "data", "set exactly one of data.files and data.dataset")
     need((d.prompt_field is None) == (d.response_field is None), "data.response_field",
          "prompt_field and response_field must be set together")
+    if d.messages_field is not None:
+        # text_field has a default: only a changed one is a second kind of sample.
+        others = [f"data.{name}" for name, value in (("text_field", d.text_field != "text"),
+                                                     ("prompt_field", d.prompt_field is not None),
+                                                     ("response_field", d.response_field is not None)) if value]
+        need(not others, "data.messages_field",
+             f"chat data cannot be combined with {' and '.join(others)}; set either messages_field or those")
+        need(bool(d.messages_field), "data.messages_field", "must name a field of the records, got ''")
     if spec.lora is not None:
         need(bool(spec.lora.target_modules), "lora.target_modules", "must name at least one module")
     need(len(o.betas) == 2, "optimizer.betas", f"must be two numbers, got {_show(o.betas)}")

@@ -81,6 +81,8 @@ def _document_too_large(where: str, path: str) -> DataError | None:
 
 def needed_fields(cfg: DataConfig) -> dict[str, str]:
     """The record fields the spec reads, each with the spec field that names it."""
+    if cfg.messages_field:
+        return {cfg.messages_field: MESSAGES_SPEC_FIELD}
     if cfg.prompt_field:
         return {cfg.prompt_field: "data.prompt_field", cfg.response_field: "data.response_field"}
     return {cfg.text_field: "data.text_field"}
@@ -96,14 +98,50 @@ def kind_of(value) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
 
 
+MESSAGES_SPEC_FIELD = "data.messages_field"
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat message may have (OpenAI's and Hugging Face's); only ``assistant`` turns are trained.
+Another role (ShareGPT's ``human``/``gpt``) is refused rather than guessed."""
+
+
+def conversation_problem(value, field: str) -> str | None:
+    """Why ``value`` (a record's ``field``) is not a conversation that can be trained on, or None: not a
+    non-empty list of ``{"role", "content"}`` objects with roles in :data:`ROLES` and text content, or no
+    assistant turn (nothing to train)."""
+    if not isinstance(value, list):
+        return f"field {field!r} is {kind_of(value)}, not a list of messages"
+    if not value:
+        return f"field {field!r} is an empty list; a conversation needs messages"
+    for n, message in enumerate(value, 1):
+        where = f"field {field!r} message {n}"
+        if not isinstance(message, dict):
+            return f"{where} is {kind_of(message)}, not an object with 'role' and 'content'"
+        if message.get("role") is None:
+            return f"{where} has no 'role' (one of {', '.join(ROLES)})"
+        if message["role"] not in ROLES:
+            return f"{where} has role {message['role']!r}, not one of {', '.join(ROLES)}"
+        if "content" not in message:
+            return f"{where} has no 'content'"
+        if not isinstance(message["content"], str):
+            return f"{where} has 'content' that is {kind_of(message['content'])}, not text"
+    if not any(m["role"] == "assistant" for m in value):
+        return f"field {field!r} has no assistant turn, so nothing in it would be trained"
+    return None
+
+
 def record_problem(value, fields: dict[str, str]) -> str | None:
-    """Why a parsed record cannot be trained on (not an object, a needed field absent or not text), or None."""
+    """Why a parsed record cannot be trained on (not an object, a needed field absent, not text or not a
+    conversation), or None."""
     if not isinstance(value, dict):
         return f"{kind_of(value)}, not a JSON object with field(s) {', '.join(map(repr, fields))}"
     for field, spec_field in fields.items():
         if field not in value:
             return f"no field {field!r} ({spec_field}); the record has {sorted(value)}"
-        if not isinstance(value[field], str):
+        if spec_field == MESSAGES_SPEC_FIELD:
+            if (problem := conversation_problem(value[field], field)) is not None:
+                return problem
+        elif not isinstance(value[field], str):
             return f"field {field!r} is {kind_of(value[field])}, not text"
     return None
 

@@ -18,9 +18,26 @@ from elastic_ft.train import loss, precision
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
+BYTE_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>\\n' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+"""The byte tokenizer's chat template (Zephyr's shape): BOS, then each turn as a ``<|role|>`` line and its
+content closed by EOS. An assistant turn's content and EOS are in a ``{% generation %}`` block: what chat data
+trains (:mod:`elastic_ft.train.chat`); its header is not. No text between turns, so the spans found by
+rendering prefixes are the same."""
+
 
 def byte_tokenizer():
-    """A byte-level tokenizer: 256 byte tokens + pad/bos/eos, no training, no download.
+    """A byte-level tokenizer: 256 byte tokens + pad/bos/eos, no training, no download, and a small chat
+    template (:data:`BYTE_CHAT_TEMPLATE`) for chat data.
 
     Called as usual (``add_special_tokens`` true) it puts BOS first, as
     :func:`elastic_ft.train.data.tokenize` does for every training sample, so
@@ -36,6 +53,7 @@ def byte_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(_SPECIALS))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = BYTE_CHAT_TEMPLATE
     return with_leading_bos(fast)
 
 

@@ -56,6 +56,7 @@ from elastic_ft.checkpoint.reader import read_manifest
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.checkpoint.writer import CheckpointConflict, CheckpointWriter, Snapshot, retire
 from elastic_ft.config import DataConfig
+from elastic_ft.train import chat
 from elastic_ft.train.datafiles import DataError, check_files
 from elastic_ft.train.token_files import (
     StoreTorn, assemble, blob_name, local_reader, localize, locked, mark_verified, replace_dir, store_reader,
@@ -160,8 +161,9 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     if cfg.dataset:
         extra = getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
     digests = FileDigests(os.path.join(node_root, "files.json"))
-    ident = identity(token_settings(cfg, fmt), [digests.digest(p) for p in cfg.files], tokenizer_fingerprint(tokenizer),
-                     extra)
+    template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
+    ident = identity(token_settings(cfg, fmt, template), [digests.digest(p) for p in cfg.files],
+                     tokenizer_fingerprint(tokenizer), extra)
     sub = PrefixedStore(run_store, f"{STORE_PREFIX}{ident}")
     built = False
     for attempt in (1, 2):

@@ -37,11 +37,16 @@ def data_format(cfg: DataConfig) -> str | None:
     return fmt
 
 
-def token_settings(cfg: DataConfig, fmt: str | None) -> dict[str, Any]:
-    """The data settings that change the tokens (not the files' paths: their contents are hashed)."""
-    return {"format": fmt, "dataset": cfg.dataset, "split": cfg.split if cfg.dataset else None,
-            "text_field": cfg.text_field, "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
-            "max_length": cfg.max_length, "packing": cfg.packing}
+def token_settings(cfg: DataConfig, fmt: str | None, chat_template: str | None = None) -> dict[str, Any]:
+    """The data settings that change the tokens (not the files' paths: their contents are hashed). Chat data
+    adds its field and the chat template's text, which the tokenizer's serialized form leaves out; other data
+    names neither, so its stores keep their identity."""
+    settings = {"format": fmt, "dataset": cfg.dataset, "split": cfg.split if cfg.dataset else None,
+                "text_field": cfg.text_field, "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
+                "max_length": cfg.max_length, "packing": cfg.packing}
+    if cfg.messages_field:
+        settings.update(messages_field=cfg.messages_field, chat_template=chat_template)
+    return settings
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -6,7 +6,9 @@ then a rank reads only its contiguous share, a batch of :data:`RECORD_BATCH`
 records at a time: no rank holds more than one batch as Python objects.
 A sample is BOS, the prompt, the response, EOS (or BOS, the text, EOS), cut at
 ``max_length`` unless packing; only the response (or the whole text) is trained,
-exactly as the trainer did before the store.
+exactly as the trainer did before the store. A conversation (``messages_field``)
+is the chat template's rendering, its assistant turns trained
+(:mod:`elastic_ft.train.chat`), cut likewise.
 
 Cost: one tokenizer pass over the rank's share; memory of one batch.
 """
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from elastic_ft.config import DataConfig
-from elastic_ft.train.datafiles import DataError, kind_of, missing_field_error, needed_fields
+from elastic_ft.train import chat
+from elastic_ft.train.datafiles import DataError, conversation_problem, kind_of, missing_field_error, needed_fields
 
 RECORD_BATCH = 1024
 """Records tokenized per tokenizer call: large enough for the fast tokenizer's threads, small enough that a
@@ -48,6 +51,21 @@ class Records:
                 if field not in columns:
                     raise missing_field_error(field, columns)
             self.count = len(self._dataset)
+
+    def place(self, index: int) -> str:
+        """Where record ``index`` (0-based, across all files) is, for an error: ``data.files[I]:LINE`` in JSON
+        Lines files (found by reading the lines again: only on the way to an error), else ``data record N``
+        (a parquet row, a hub dataset's row, across the files, from 1)."""
+        if self._dataset is None:
+            seen = -1
+            for i, path in enumerate(self.cfg.files):
+                with open(path, "rb") as f:
+                    for lineno, raw in enumerate(f, 1):
+                        if raw.lstrip(codecs.BOM_UTF8 if lineno == 1 else b"").strip():
+                            seen += 1
+                            if seen == index:
+                                return f"data.files[{i}]:{lineno}"
+        return f"data record {index + 1}"
 
     def batches(self, lo: int, hi: int, size: int = RECORD_BATCH) -> Iterator[tuple[int, dict[str, list]]]:
         """``(index of the first record, {field: values})`` for records ``lo .. hi - 1``."""
@@ -143,20 +161,52 @@ def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> 
     return samples, untrained
 
 
+def encode_chat(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer, template: str,
+                place=lambda index: f"data record {index + 1}") -> tuple[list[list[int]], list[list[int]]]:
+    """The token ids of each record's conversation (``cfg.messages_field``) rendered with ``template``, and a
+    0/1 trained mark per token (the assistant turns: :mod:`elastic_ft.train.chat`), cut at ``max_length``
+    unless packing. Records are numbered from ``first``; ``place(index)`` names one in an error."""
+    field = cfg.messages_field
+    cut = None if cfg.packing else cfg.max_length
+    conversations = columns[field]
+    for k, messages in enumerate(conversations):  # a parquet or hub row: JSON Lines were checked already
+        if (problem := conversation_problem(messages, field)) is not None:
+            raise DataError(f"{place(first + k)}: {problem}; fix or remove that record")
+    try:
+        samples, marks = chat.encode_conversations(tokenizer, template, conversations)
+    except chat.ConversationError as exc:
+        raise DataError(f"{place(first + exc.index)}: field {field!r}: {exc}; fix or remove that record") from exc
+    return [s[:cut] for s in samples], [m[:cut] for m in marks]
+
+
+def encode_marked(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer, template: str | None = None,
+                  place=lambda index: f"data record {index + 1}") -> tuple[list[list[int]], np.ndarray]:
+    """:func:`encode` or :func:`encode_chat` of a batch: each sample's token ids, and every token's trained mark
+    (uint8, the samples' back to back)."""
+    if cfg.messages_field:
+        samples, masks = encode_chat(columns, first, cfg, tokenizer, template, place)
+        total = sum(len(s) for s in samples)
+        return samples, np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total)
+    samples, untrained = encode(columns, first, cfg, tokenizer)
+    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    marks = np.ones(int(lengths.sum()), dtype=np.uint8)
+    for s, u in zip(np.cumsum(lengths) - lengths, untrained):
+        marks[s:s + u] = 0
+    return samples, marks
+
+
 def tokenize_share(records: Records, lo: int, hi: int, cfg: DataConfig, tokenizer, dtype: np.dtype, out: str) -> None:
     """Records ``lo .. hi - 1`` as part files in ``out``: tokens, trained marks, sample lengths and targets."""
+    template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
     os.makedirs(out, exist_ok=True)
     files = {name: open(os.path.join(out, name), "wb") for name in PART_FILES}
     try:
         for first, columns in records.batches(lo, hi):
-            samples, untrained = encode(columns, first, cfg, tokenizer)
+            samples, marks = encode_marked(columns, first, cfg, tokenizer, template, records.place)
             lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
             total = int(lengths.sum())
             files["tokens.bin"].write(np.fromiter(itertools.chain.from_iterable(samples), dtype=dtype, count=total).tobytes())
-            marks = np.ones(total, dtype=np.uint8)
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-            for s, u in zip(starts, untrained):
-                marks[s:s + u] = 0
             files["trained.bin"].write(marks.tobytes())
             files["lengths.bin"].write(lengths.astype("<i8").tobytes())
             # Loss positions after the shift: trained tokens but a sample's first position.
@@ -174,4 +224,5 @@ def share(count: int, rank: int, size: int) -> tuple[int, int]:
     return count * rank // size, count * (rank + 1) // size
 
 
-__all__ = ["PART_FILES", "RECORD_BATCH", "Records", "encode", "load_dataset", "share", "tokenize_share"]
+__all__ = ["PART_FILES", "RECORD_BATCH", "Records", "encode", "encode_chat", "encode_marked", "load_dataset", "share",
+           "tokenize_share"]
