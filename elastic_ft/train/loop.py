@@ -39,10 +39,9 @@ from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.build import (
-    build_cached_store, build_checkpoints, build_events, build_heldout, build_lease, build_model_and_data,
-    build_preemption, build_store, commit_checks,
+    build_cached_store, build_checkpoints, build_evaluator, build_events, build_heldout, build_lease,
+    build_model_and_data, build_preemption, build_store, commit_checks,
 )
-from elastic_ft.train.evaluation import Evaluator
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.guard import NonFiniteGuard
@@ -118,11 +117,7 @@ class Trainer:
                                    every_steps=spec.logging.every_steps)
             self.last_step_s: float | None = None  # what the spot policy weighs, with the checkpoints' record
             self.preemption = build_preemption(spec, world, self.events, imds_endpoint, opened)
-            self.evaluator = None if self.eval_data is None else Evaluator(
-                self.eval_data, every_steps=spec.eval.every_steps, max_samples=spec.eval.max_samples,
-                micro_batch=spec.batch.micro_batch, world=world, events=self.events,
-                chunk_tokens=spec.model.loss_chunk_tokens,
-                autocast=lambda: precision.autocast(spec.precision, world.device))
+            self.evaluator = build_evaluator(spec, world, self.events, self.eval_data)
             self._resources = opened.pop_all()
 
     # What the spot response reads (elastic_ft.train.preemption.Trainer) and the run's cadence: the
