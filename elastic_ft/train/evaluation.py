@@ -112,7 +112,8 @@ class Evaluator:
         """
         w = self.world
         t0 = time.monotonic()
-        self.events.emit("eval_started", quiet=True, step=step, samples=self.samples, micro_batches=len(self.chunks))
+        self.events.emit("eval_started", quiet=True, step=step, samples=self.samples, micro_batches=len(self.chunks),
+                         per_rank=self.count)
         total = torch.zeros((), dtype=torch.float64, device=w.device)
         tokens = 0
         was_training = model.training
@@ -132,8 +133,8 @@ class Evaluator:
                             tokens += self.data.target_count(chunk)
                     # The previous micro-batch's poll is read once this one is queued (see NoticePoll).
                     if j and poll.standing():
-                        self.events.emit("eval_abandoned", step=step, micro_batches_done=done,
-                                         micro_batches=self.count, reason="a spot notice")
+                        self.events.emit("eval_abandoned", step=step, per_rank_done=done, per_rank=self.count,
+                                         reason="a spot notice to leave")
                         return None
                     done = j + 1
                     poll.post()

@@ -136,7 +136,7 @@ def test_a_notice_abandons_the_evaluation_between_micro_batches(tmp_path, cache)
     assert ev.run(2, model=model, forward=model, sharded=False, poll=Poll(ev.world, board)) is None
     assert model.training
     (abandoned,) = [e for e in read_events(events.path) if e["event"] == "eval_abandoned"]
-    assert abandoned["micro_batches_done"] == 3 < abandoned["micro_batches"] == 25
+    assert abandoned["per_rank_done"] == 3 < abandoned["per_rank"] == 25
     assert not [e for e in read_events(events.path) if e["event"] == "eval"]
     assert ev.due(2, 10), "an abandoned evaluation must be redone"
     assert ev.record_for(2) == {}
