@@ -285,13 +285,14 @@ class Trainer:
         self.metrics.start()
         first = True
         try:
-            # A resume at an evaluated step whose evaluation did not finish (a notice stopped it) does it now.
-            self._evaluate()
             while self.step < self.total_steps:
                 # Raises Preempted after committing, on a notice. The leader's checkpoint clock is agreed in
                 # the same all-reduce (clocks differ): every_seconds then fires at the same step on every rank.
                 age = self.preemption.at_boundary(self, checkpoint_age_s=(
                     None if self.spec.checkpoint.every_seconds is None else time.monotonic() - self.last_ckpt_time))
+                # The evaluation of a resumed step that a notice stopped before (or of this step, stopped by a
+                # notice on which the policy trains on until the deadline): done first.
+                self._evaluate()
                 self._inject_faults()
                 self.step_once()
                 if first and self.node_head:  # the leader's progress lines say the rest
