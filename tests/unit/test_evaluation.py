@@ -89,11 +89,24 @@ def test_due_every_n_steps_and_at_the_last():
 # ------------------------------------------------------------------ the loss, and a notice
 
 
-def evaluator(tmp_path, samples: int = 40):
-    spec = load_spec(DEFAULT_SPEC)
-    tok, model = model_mod.build(spec)
-    store = data_mod.load(spec.data, tok)
-    _, held = heldout.split(store, 0.2, seed=spec.seed)
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo spec's model and the held-out side of a 0.2 split of its corpus (built once: seconds)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ELASTIC_FT_INPUT_CACHE", str(tmp_path_factory.mktemp("node-cache")))
+        spec = load_spec(DEFAULT_SPEC)
+        tok, model = model_mod.build(spec)
+        _, held = heldout.split(data_mod.load(spec.data, tok), 0.2, seed=spec.seed)
+    return model, held
+
+
+@pytest.fixture
+def evaluator(tmp_path, demo):
+    return lambda samples=40: make_evaluator(tmp_path, demo, samples)
+
+
+def make_evaluator(tmp_path, demo, samples: int):
+    model, held = demo
     events = EventLog(str(tmp_path / "events.jsonl"))
     world = World(0, 1, 0, 1, torch.device("cpu"))
     ev = Evaluator(held, every_steps=2, max_samples=samples, micro_batch=8, world=world, events=events,
@@ -101,8 +114,8 @@ def evaluator(tmp_path, samples: int = 40):
     return ev, model, held, events
 
 
-def test_the_eval_loss_is_token_weighted_over_the_first_samples_in_store_order(tmp_path, cache):
-    ev, model, held, events = evaluator(tmp_path)
+def test_the_eval_loss_is_token_weighted_over_the_first_samples_in_store_order(evaluator):
+    ev, model, held, events = evaluator()
     model.train()
     result = ev.run(2, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, NoticeBoard()))
     assert model.training, "the model was left in eval mode"
@@ -120,8 +133,8 @@ def test_the_eval_loss_is_token_weighted_over_the_first_samples_in_store_order(t
     assert ev.record_for(4) == {} and not ev.due(2, 10) and ev.due(4, 10)
 
 
-def test_a_notice_abandons_the_evaluation_between_micro_batches(tmp_path, cache):
-    ev, model, _, events = evaluator(tmp_path, samples=200)  # 25 micro-batches
+def test_a_notice_abandons_the_evaluation_between_micro_batches(evaluator):
+    ev, model, _, events = evaluator(200)  # 25 micro-batches
     board = NoticeBoard()
     calls = []
 
@@ -142,15 +155,15 @@ def test_a_notice_abandons_the_evaluation_between_micro_batches(tmp_path, cache)
     assert ev.record_for(2) == {}
 
 
-def test_a_rebalance_recommendation_does_not_stop_an_evaluation(tmp_path, cache):
-    ev, model, _, _ = evaluator(tmp_path, samples=24)
+def test_a_rebalance_recommendation_does_not_stop_an_evaluation(evaluator):
+    ev, model, _, _ = evaluator(24)
     board = NoticeBoard()
     board.post(Notice("rebalance", None, 0.0, "test"))
     assert ev.run(2, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, board)) is not None
 
 
-def test_a_resume_at_a_step_evaluated_before_the_save_does_not_evaluate_again(tmp_path, cache):
-    ev, *_ = evaluator(tmp_path)
+def test_a_resume_at_a_step_evaluated_before_the_save_does_not_evaluate_again(evaluator):
+    ev, *_ = evaluator()
     ev.resumed({}, 4)
     assert ev.due(4, 10)  # the manifest says nothing: the evaluation did not finish
     ev.resumed({"step": 2, "loss": 1.0}, 4)
