@@ -4,7 +4,7 @@
   elastic-ft ckpt ls URI            committed checkpoints of a run (step, time, size)
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
-  elastic-ft export URI --out DIR [--step N]
+  elastic-ft export URI --out DIR [--step N | --best]
   elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
   elastic-ft goodput RUN            where a run's wall time went (RUN: the run's URI, whose store's events/ are
                                     read, or events.jsonl, its directory, the run's directory or its id)
@@ -107,7 +107,8 @@ def _gc(args) -> int:
         print(f"elastic-ft: no checkpoints or blobs at {args.uri}, nothing to collect (a run's location is "
               f"<checkpoint_uri>/<run_id>)", file=sys.stderr)
         return 1
-    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every, orphan_grace_s=args.grace)
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every, orphan_grace_s=args.grace,
+                             keep_best=args.keep_best)
     plan = collect(store, policy, time.time())
     for line in plan.lines():
         print(("would " if args.dry_run and line.startswith("delete") else "") + line)
@@ -225,11 +226,42 @@ def missing_step_problem(step: int, steps: list[int], *, shown: int = 10) -> str
     return f"has no committed checkpoint at step {step}; its committed steps{more}: {listed}"
 
 
+def best_checkpoint(uri: str) -> int:
+    """The step of the run's committed checkpoint with the lowest eval loss; ArgumentError when none has one."""
+    from elastic_ft.checkpoint.manifest import ManifestError
+    from elastic_ft.checkpoint.reader import list_manifests, read_manifest
+    from elastic_ft.checkpoint.retention import best_step, eval_loss
+    from elastic_ft.checkpoint.store import open_store
+
+    store = open_store(uri)
+    losses: dict[int, float | None] = {}
+    try:
+        infos = list_manifests(store)
+        for info in infos:
+            try:
+                m = read_manifest(store, info.key, size=info.size)
+            except ManifestError:  # a broken one is no candidate; the others still are
+                continue
+            losses[m.step] = eval_loss(m)
+    finally:
+        store.close()
+    best = best_step(losses)
+    if best is None:
+        what = (f"none of its {len(infos)} committed checkpoint(s) records an eval loss (evaluated runs record "
+                f"one at each checkpoint of an evaluated step: eval.every_steps)") if infos else \
+            "has no committed checkpoint"
+        raise ArgumentError(f"export --best: {uri} {what}; export --step N or the newest instead")
+    return best
+
+
 def _check_export_args(args) -> None:
-    """Refuse a bad ``--out`` or ``--step`` before export loads any checkpoint or model."""
+    """Refuse a bad ``--out``, ``--step`` or ``--best`` before export loads any checkpoint or model."""
     problem = out_dir_problem(args.out, force=args.force)
     if problem:
         raise ArgumentError(f"export --out {problem}")
+    if args.best:
+        args.step = best_checkpoint(args.uri)
+        return
     if args.step is None:
         return
     from elastic_ft.checkpoint.manifest import step_of_key
@@ -255,7 +287,8 @@ def _export(args) -> int:
     _check_export_args(args)
     result = export(args.uri, args.out, step=args.step)
     kind = "PEFT adapter" if result["lora"] else "model"
-    print(f"exported step {result['step']} as a {kind} to {result['out']}")
+    best = " (the lowest eval loss)" if args.best else ""
+    print(f"exported step {result['step']}{best} as a {kind} to {result['out']}")
     return 0
 
 
@@ -302,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep checkpoints whose step is a multiple of this")
     g.add_argument("--grace", type=_in_range("checkpoint.orphan_grace_s", float), default=3600.0,
                    help="seconds before an orphan blob may be deleted (a save in flight has young orphans)")
+    g.add_argument("--keep-best", action="store_true",
+                   help="also keep the checkpoint with the lowest eval loss its manifest records")
     g.set_defaults(func=_gc)
     e = sub.add_parser("export", help="write a PEFT adapter (or full model) directory")
     e.add_argument("uri", help=uri_help)
@@ -309,7 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "be empty unless --force)")
     e.add_argument("--force", action="store_true",
                    help="write into --out even if it holds files (those of the same name are replaced)")
-    e.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    which = e.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    which.add_argument("--best", action="store_true",
+                       help="the checkpoint with the lowest eval loss (recorded in its manifest; see eval.every_steps)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
     gp.add_argument("run", help="the run's URI (file:// or s3://, as for ckpt ls: its store's events/, else the local "

@@ -70,6 +70,9 @@ class Manifest:
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
     scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The evaluation of this checkpoint's weights (``step``, ``loss``, ``tokens``, ``samples``), where there
+    was one: retention's ``keep_best`` reads the loss here, without the blobs. {}: not evaluated."""
     format: str = FORMAT
 
     @property
@@ -125,6 +128,15 @@ def json_depth_exceeds(data: bytes | memoryview, limit: int) -> bool:
     return False
 
 
+def _mapping(value: Any, field: str) -> dict:
+    """An optional object field: {} when absent or null; TypeError (a corrupt manifest) when not an object."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{field} must be an object, got {type(value).__name__}")
+    return value
+
+
 def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None) -> Manifest:
     """Parse and check one manifest; raises :class:`ManifestCorrupt` or :class:`ManifestForeign` naming ``key``.
 
@@ -162,7 +174,7 @@ def parse_manifest(data: bytes, *, key: str, expected_run_id: str | None = None)
             run_id=run_id, step=int(d["step"]), cursor=int(d["cursor"]), created=float(d["created"]),
             writer=str(d["writer"]), config_hash=str(d["config_hash"]), blobs=blobs,
             world=d.get("world", {}), rng=d.get("rng", {}), scheduler=d.get("scheduler", {}),
-            batch_plan=d.get("batch_plan", {}), format=fmt,
+            batch_plan=d.get("batch_plan", {}), eval=_mapping(d.get("eval"), "eval"), format=fmt,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestCorrupt(f"manifest {key!r} is missing or has a malformed field: {exc!r}") from exc

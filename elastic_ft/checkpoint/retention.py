@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from elastic_ft.checkpoint.manifest import BLOB_PREFIX
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectStore
@@ -45,6 +46,8 @@ class RetentionPolicy:
     orphan_grace_s: float = 3600.0
     """Blobs referenced by no manifest are deleted only once older than this
     (a save in flight has blobs but no manifest yet); finite, >= 0."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest eval loss (:func:`best_step`)."""
 
     def __post_init__(self) -> None:
         problems = [p for name in RANGES if (v := getattr(self, name)) is not None and (p := _out_of_range(name, v))]
@@ -70,11 +73,27 @@ class GcPlan:
         return out
 
 
+def best_step(eval_losses: dict[int, float | None]) -> int | None:
+    """The step of the lowest finite eval loss in ``eval_losses`` (step -> loss, None: not evaluated); the
+    earliest of equal ones (it was reached first); None when no checkpoint has one."""
+    scored = [(loss, step) for step, loss in eval_losses.items()
+              if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)]
+    return min(scored)[1] if scored else None
+
+
+def eval_loss(manifest) -> float | None:
+    """The eval loss a manifest records for its own step (``Manifest.eval``), or None."""
+    record = manifest.eval or {}
+    loss = record.get("loss")
+    return float(loss) if record.get("step") == manifest.step and isinstance(loss, (int, float)) else None
+
+
 def plan_gc(
     manifests: dict[int, tuple[str, set[str]]],
     blobs: list[ObjectInfo],
     policy: RetentionPolicy,
     now: float,
+    eval_losses: dict[int, float | None] | None = None,
 ) -> GcPlan:
     """Decide what to delete.
 
@@ -82,7 +101,9 @@ def plan_gc(
     ``blobs`` lists every object under ``blobs/``. The newest checkpoint is
     always kept, whatever the policy holds (even one that bypassed
     validation: keep_last 0 or negative), and no blob referenced by a kept
-    manifest is ever deleted.
+    manifest is ever deleted. ``eval_losses`` (step -> the eval loss its
+    manifest records, None where none): with ``policy.keep_best`` the step of
+    the lowest (:func:`best_step`) is kept too.
     """
     steps = sorted(manifests)
     # Not steps[-keep_last:]: with keep_last=0 that slice is the whole list (keep all).
@@ -91,9 +112,13 @@ def plan_gc(
         keep.add(steps[-1])  # defensive: the one checkpoint a resume can always use
     if policy.keep_every and policy.keep_every > 0:
         keep |= {s for s in steps if s % policy.keep_every == 0}
+    best = best_step({s: (eval_losses or {}).get(s) for s in steps}) if policy.keep_best else None
+    if best is not None:
+        keep.add(best)
     drop_manifests = [
         Deletion(manifests[s][0], f"step {s} is past retention (keep_last={policy.keep_last}, "
-                                  f"keep_every={policy.keep_every})")
+                                  f"keep_every={policy.keep_every}" + (f", best={best}" if policy.keep_best else "")
+                                  + ")")
         for s in steps if s not in keep
     ]
     referenced_by_kept = set().union(*(manifests[s][1] for s in keep)) if keep else set()
@@ -115,6 +140,7 @@ def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: 
     from elastic_ft.checkpoint.manifest import ManifestCorrupt, step_of_key
 
     manifests = {}
+    losses: dict[int, float | None] = {}
     for info in list_manifests(store):
         try:
             m = read_manifest(store, info.key, run_id=run_id, size=info.size)
@@ -123,7 +149,8 @@ def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: 
             log.warning("gc skips a corrupt manifest: %s", exc)
             continue
         manifests[step_of_key(info.key)] = (info.key, {b.key for b in m.blobs.values()})
-    return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now)
+        losses[step_of_key(info.key)] = eval_loss(m)
+    return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now, losses)
 
 
 def apply_gc(store: ObjectStore, plan: GcPlan) -> None:

@@ -58,6 +58,8 @@ class Snapshot:
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
     scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The evaluation of this step (step, loss, tokens), for the manifest; {}: not evaluated."""
     sharded: dict[str, Any] | None = None
     """A DCP state dict (nested dicts of DTensors/tensors, host copies: :func:`elastic_ft.checkpoint.sharded.stage`)
     saved through :mod:`elastic_ft.checkpoint.sharded` instead of ``tensors`` (then ``{}``); None: a replicated snapshot."""
@@ -206,7 +208,7 @@ class CheckpointWriter:
         manifest = Manifest(
             run_id=self.run_id, step=snap.step, cursor=snap.cursor, created=time.time(),
             writer=self.writer_token, config_hash=snap.config_hash, blobs=dict(sorted(blobs.items())),
-            world=snap.world, rng=snap.rng, scheduler=snap.scheduler, batch_plan=snap.batch_plan,
+            world=snap.world, rng=snap.rng, scheduler=snap.scheduler, batch_plan=snap.batch_plan, eval=snap.eval,
         )
         self._commit_manifest(manifest)
         return manifest

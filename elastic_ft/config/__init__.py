@@ -18,6 +18,7 @@ from elastic_ft.config.sections import (
     BatchConfig,
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     InputsConfig,
     JobSpec,
     LoggingConfig,
@@ -31,7 +32,7 @@ from elastic_ft.config.sections import (
 from elastic_ft.config.validation import validate
 
 __all__ = [
-    "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig", "InputsConfig",
+    "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "InputsConfig",
     "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig",
     "SpotConfig", "apply_overrides",
     "load_spec", "spec_from_dict", "validate",

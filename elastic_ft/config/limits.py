@@ -17,6 +17,9 @@ _MiB, _GiB, _TiB = 2**20, 2**30, 2**40
 # Null (where a field allows it) is always accepted. A new numeric field gets a row.
 LIMITS: dict[str, Bound] = {
     "data.max_length": Bound(2, 2**17),  # 131072 tokens: the longest contexts models train on
+    "data.eval_fraction": Bound(0.0, 1.0, lo_open=True, hi_open=True),
+    "eval.every_steps": Bound(1, MAX_STEPS),
+    "eval.max_samples": Bound(1, MAX_BATCH),
     "model.loss_chunk_tokens": Bound(1, 2**24),
     "lora.r": Bound(1, 2**16),
     "lora.alpha": Bound(1, 2**20),

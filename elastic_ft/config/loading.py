@@ -69,8 +69,9 @@ def spec_from_dict(
 
 def _resolve_paths(spec: JobSpec, base: str) -> None:
     # Paths in a spec are relative to the spec file, so a spec works from any cwd.
-    spec.data.files = [f if os.path.isabs(f) or "://" in f else os.path.normpath(os.path.join(base, f))
-                       for f in spec.data.files]
+    for attr in ("files", "eval_files"):
+        setattr(spec.data, attr, [f if os.path.isabs(f) or "://" in f else os.path.normpath(os.path.join(base, f))
+                                  for f in getattr(spec.data, attr)])
     for attr in ("name_or_path", "tokenizer"):
         value = getattr(spec.model, attr)
         if value and value.startswith(("./", "../")):

@@ -92,6 +92,14 @@ class DataConfig:
     """Tokens per sample (longer texts are truncated; with packing, the block size)."""
     packing: bool = False
     """Concatenate texts and cut them into ``max_length`` blocks (no padding)."""
+    eval_files: list[str] = dataclasses.field(default_factory=list)
+    """Held-out files for evaluation (``eval`` section), in the formats and with the settings of ``files``
+    (paths resolved and ``s3://`` fetched the same way): a token store of their own, built once per run.
+    Not with ``eval_fraction``. Not part of the config hash (they change no training step)."""
+    eval_fraction: float | None = None
+    """Hold this fraction of the training samples out for evaluation instead (0 < f < 1): sample ``i`` is
+    held out when a keyed hash of ``(seed, i)`` falls below ``f``, so the split depends on neither the world
+    size nor the ranks, and the training order runs over the other samples only. Not with ``eval_files``."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -153,6 +161,10 @@ class CheckpointConfig:
     """Committed checkpoints to keep (null: keep all)."""
     keep_every: int | None = None
     """Also keep every checkpoint whose step is a multiple of this (null: none extra)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest eval loss (the ``eval`` section's, recorded in its manifest),
+    whatever ``keep_last`` says; ``elastic-ft export --best`` exports it. Needs evaluation, at steps that are
+    checkpointed (``checkpoint.every_steps`` a multiple of ``eval.every_steps``)."""
     orphan_grace_s: float = 3600.0
     """Blobs no manifest references are deleted once older than this (a save in flight is younger)."""
     save_final: bool = True
@@ -233,6 +245,16 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int | None = None
+    """Evaluate after every N optimizer steps, and after the last one (null: never). Needs held-out data:
+    ``data.eval_files`` or ``data.eval_fraction``."""
+    max_samples: int = 1024
+    """Evaluate on the first this many held-out samples in store order (1 to 16777216): the same samples
+    at every evaluation and at any world size."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class JobSpec:
     name: str = "job"
     """The job's name; also the default run id."""
@@ -254,6 +276,9 @@ class JobSpec:
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     """Mixed precision: the dtype of frozen weights and of compute (trainable state stays float32)."""
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Evaluation on held-out data: the token-weighted loss over every rank, as ``eval`` events (see ``data``'s
+    ``eval_files`` and ``eval_fraction``)."""
     inputs: InputsConfig = dataclasses.field(default_factory=InputsConfig)
     """Where each node caches the ``s3://`` data files and model directories it fetches, and their bounds."""
 
@@ -265,13 +290,16 @@ class JobSpec:
         d = self.to_dict()
         # Cadence, logging and run length may change between restarts (extend a run
         # with steps=...) without making the checkpoint a different training.
-        for volatile in ("logging", "checkpoint", "spot", "inputs", "name", "steps", "epochs"):
+        for volatile in ("logging", "checkpoint", "spot", "inputs", "name", "steps", "epochs", "eval"):
             d.pop(volatile, None)
         d["optimizer"].pop("max_nonfinite_steps", None)  # a guard's limit, not a training setting
         d["model"].pop("gradient_checkpointing", None)  # recomputes the same activations
         d["model"].pop("loss_chunk_tokens", None)  # the same loss, summed by chunks
         if d["data"].get("messages_field") is None:  # added later: runs without chat data keep their hash
             d["data"].pop("messages_field", None)
+        d["data"].pop("eval_files", None)  # held-out data changes no training step
+        if d["data"].get("eval_fraction") is None:  # a split changes the training samples: hashed when set
+            d["data"].pop("eval_fraction", None)
         d.pop("parallelism", None)  # where the state lives, not what is computed (up to the order of float sums)
         # Sections added later hash as before while at their defaults: older runs keep their hash.
         for section, cls in (("precision", PrecisionConfig),):

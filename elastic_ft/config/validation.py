@@ -73,6 +73,7 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     par = spec.parallelism
     need(par.shard_size is None or par.strategy == "fsdp", "parallelism.shard_size",
          f"applies to parallelism.strategy fsdp only (it is {par.strategy}); remove it or set the strategy to fsdp")
+    p.extend(_eval_problems(spec))
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the
@@ -83,6 +84,30 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     return p
 
 
+def _eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """Held-out data, its cadence and keep_best: each problem naming the field to change."""
+    d, ev, c = spec.data, spec.eval, spec.checkpoint
+    p = []
+    if d.eval_files and d.eval_fraction is not None:
+        p.append(("data.eval_fraction", "cannot be combined with data.eval_files; set one of them"))
+    if d.eval_files and d.dataset:
+        p.append(("data.eval_files", "applies to data.files; with data.dataset use data.eval_fraction"))
+    held_out = bool(d.eval_files) or d.eval_fraction is not None
+    if ev.every_steps is not None and not held_out:
+        p.append(("eval.every_steps", "needs held-out data: set data.eval_files or data.eval_fraction"))
+    if held_out and ev.every_steps is None:
+        p.append(("eval.every_steps", "must be set when data.eval_files or data.eval_fraction is (how often "
+                                      "to evaluate)"))
+    if c.keep_best:
+        if ev.every_steps is None:
+            p.append(("checkpoint.keep_best", "needs evaluation: set eval.every_steps and held-out data"))
+        elif c.every_steps is None or c.every_steps % ev.every_steps:
+            p.append(("checkpoint.keep_best", f"needs checkpoints at evaluated steps: checkpoint.every_steps "
+                                              f"({c.every_steps}) must be a multiple of eval.every_steps "
+                                              f"({ev.every_steps})"))
+    return p
+
+
 def _input_problems(spec: JobSpec, check_files: bool) -> list[tuple[str, str]]:
     """A URI that cannot be fetched (any scheme but s3://, a malformed s3:// URI), or a local data file missing."""
     p = []
@@ -90,12 +115,13 @@ def _input_problems(spec: JobSpec, check_files: bool) -> list[tuple[str, str]]:
         value = getattr(spec.model, field)
         if value is not None and (problem := uri_problem(value, directory=True)):
             p.append((f"model.{field}", problem))
-    for i, f in enumerate(spec.data.files):
-        if has_scheme(f):
-            if problem := uri_problem(f, directory=False):
-                p.append((f"data.files[{i}]", problem))
-        elif check_files and not os.path.isfile(f) and "://" not in f:
-            p.append((f"data.files[{i}]", f"file {f!r} does not exist"))
+    for field in ("files", "eval_files"):
+        for i, f in enumerate(getattr(spec.data, field)):
+            if has_scheme(f):
+                if problem := uri_problem(f, directory=False):
+                    p.append((f"data.{field}[{i}]", problem))
+            elif check_files and not os.path.isfile(f) and "://" not in f:
+                p.append((f"data.{field}[{i}]", f"file {f!r} does not exist"))
     return p
 
 

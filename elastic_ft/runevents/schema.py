@@ -72,6 +72,7 @@ REQUIRED: dict[str, dict[str, Callable[[Any], bool]]] = {
     "checkpoint_committed": {"step": _int},
     "checkpoint_failed": {"step": _int},
     "checkpoint_skipped": {"step": _int},
+    "eval": {"step": _int, "loss": _number},
 }
 """Per kind, the fields the readers use without a default."""
 
@@ -81,6 +82,7 @@ OPTIONAL: dict[str, dict[str, Callable[[Any], bool]]] = {
     "step": {"t_end": _number},
     "rescale": {"changed": _changes},
     "node_lost": {"resume_after_step": _int},
+    "eval": {"tokens": _int, "samples": _int},
 }
 """Per kind (``*``: every kind), fields that must have this shape when present and not null."""
 

@@ -117,6 +117,32 @@ def _speed(kept: list[dict], now: float, finished: bool) -> list[str]:
     return [f"tokens/s: {rate}; {when}"]
 
 
+def kept_evals(events: list[dict]) -> dict[int, dict]:
+    """Step -> the ``eval`` event the run kept for it: the last one (an evaluation redone after a restart
+    supersedes the earlier try, which evaluated weights the run then trained again)."""
+    out: dict[int, dict] = {}
+    for e in valid(events):
+        if e.get("event") == "eval":
+            out[int(e["step"])] = e
+    return dict(sorted(out.items()))
+
+
+def _evals(events: list[dict]) -> list[str]:
+    kept = kept_evals(events)
+    if not kept:
+        return []
+    def loss(e: dict) -> float:
+        try:
+            return float(e["loss"])
+        except (TypeError, ValueError):
+            return math.nan
+    step, last = next(reversed(kept.items()))
+    finite = {s: loss(e) for s, e in kept.items() if math.isfinite(loss(e))}
+    best = f"; lowest {min(finite.values()):.4f} at step {min(finite, key=finite.get)}" if finite else ""
+    return [f"eval loss: {loss(last):.4f} at step {step} ({last.get('tokens')} tokens); {len(kept)} evaluation(s)"
+            f"{best}"]
+
+
 def summary(run: str, events: list[dict], newest: Checkpoint | None, *, committed: int, now: float,
             live: LiveWorld | None = None, asked_rendezvous: bool = False) -> list[str]:
     """The lines of ``elastic-ft status``: progress, last checkpoint, world, interruptions, goodput, speed.
@@ -127,4 +153,4 @@ def summary(run: str, events: list[dict], newest: Checkpoint | None, *, committe
     finished = bool(events) and events[-1].get("event") == "end"
     return [f"run {run}", *_progress(events, kept), *_checkpoint(newest, committed, now),
             *_world(events, live, asked_rendezvous), *_interruptions(events), *_goodput(events),
-            *_speed(kept, now, finished)]
+            *_speed(kept, now, finished), *_evals(events)]

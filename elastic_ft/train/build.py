@@ -15,6 +15,7 @@ is constant.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Callable
 
@@ -27,7 +28,8 @@ from elastic_ft.runevents.events import EventLog
 from elastic_ft.runevents.shipper import Shipper, open_run_events
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import model as model_mod
-from elastic_ft.train import run_lease, sharding
+from elastic_ft.train import precision, run_lease, sharding
+from elastic_ft.train.evaluation import Evaluator
 from elastic_ft.train.preemption import Preempted, Preemption
 from elastic_ft.train.saving import Checkpoints
 from elastic_ft.train.world import World
@@ -104,6 +106,33 @@ def build_model_and_data(spec: JobSpec, world: World, store: ObjectStore,
     if load_to is not None:  # an inline model; a pretrained one is there already: no copy
         model.to(world.device)
     return tokenizer, model, data
+
+
+def build_heldout(spec: JobSpec, world: World, store: ObjectStore, run_id: str, tokenizer,
+                  data: data_mod.TokenStore) -> tuple[Any, Any]:
+    """(the training samples, the held-out samples or None) of the spec's ``data.eval_fraction`` or
+    ``data.eval_files``. A fraction splits ``data`` by sample (:mod:`elastic_ft.train.heldout`: two index
+    arrays, 8 bytes per sample); eval files are a token store of their own, built and mapped as ``data``."""
+    from elastic_ft.train import heldout
+
+    cfg = spec.data
+    if cfg.eval_fraction is not None:
+        return heldout.split(data, cfg.eval_fraction, spec.seed)
+    if not cfg.eval_files:
+        return data, None
+    held = dataclasses.replace(cfg, files=list(cfg.eval_files), eval_files=[], eval_fraction=None)
+    with InputSource.from_spec(spec) as inputs:  # s3:// eval files: this node's cached copies
+        return data, data_mod.load(held, tokenizer, inputs, world=world, store=store, run_id=run_id)
+
+
+def build_evaluator(spec: JobSpec, world: World, events: EventLog, eval_data: Any) -> Evaluator | None:
+    """The run's :class:`Evaluator` of the held-out samples (None without them)."""
+    if eval_data is None:
+        return None
+    return Evaluator(eval_data, every_steps=spec.eval.every_steps, max_samples=spec.eval.max_samples,
+                     micro_batch=spec.batch.micro_batch, world=world, events=events,
+                     chunk_tokens=spec.model.loss_chunk_tokens,
+                     autocast=lambda: precision.autocast(spec.precision, world.device))
 
 
 def build_checkpoints(resources: contextlib.ExitStack, **kwargs: Any) -> Checkpoints:

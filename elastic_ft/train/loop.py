@@ -39,8 +39,8 @@ from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
 from elastic_ft.train.build import (
-    build_cached_store, build_checkpoints, build_events, build_lease, build_model_and_data, build_preemption,
-    build_store, commit_checks,
+    build_cached_store, build_checkpoints, build_evaluator, build_events, build_heldout, build_lease,
+    build_model_and_data, build_preemption, build_store, commit_checks,
 )
 from elastic_ft.train.cadence import checkpoint_due
 from elastic_ft.train.cursor import deal, take
@@ -90,6 +90,8 @@ class Trainer:
                                                      node_head=self.node_head)
             self.store = build_cached_store(spec, store, opts.run_id)
             self.tokenizer, self.model, self.data = build_model_and_data(spec, world, self.store, opts.run_id)
+            # With data.eval_fraction the cursor runs over the training side of the split only.
+            self.data, self.eval_data = build_heldout(spec, world, self.store, opts.run_id, self.tokenizer, self.data)
             self.total_steps = total_steps(spec.steps, spec.epochs, len(self.data), self.plan.global_batch)
             # DDP's wrapper, or the model sharded in place (its parameters DTensors from here on).
             self.net = sharding.wrap(self.model, spec.parallelism, spec.precision, world.device, world.size,
@@ -115,6 +117,7 @@ class Trainer:
                                    every_steps=spec.logging.every_steps)
             self.last_step_s: float | None = None  # what the spot policy weighs, with the checkpoints' record
             self.preemption = build_preemption(spec, world, self.events, imds_endpoint, opened)
+            self.evaluator = build_evaluator(spec, world, self.events, self.eval_data)
             self._resources = opened.pop_all()
 
     # What the spot response reads (elastic_ft.train.preemption.Trainer) and the run's cadence: the
@@ -143,7 +146,8 @@ class Trainer:
     def save(self, reason: str, *, sync: bool = False) -> None:
         """Checkpoint the current step on every rank (see :meth:`Checkpoints.save`)."""
         self.metrics.flush()  # the events of every step a checkpoint covers are written first
-        self.checkpoints.save(reason, step=self.step, cursor=self.cursor, sync=sync)
+        evaluated = self.evaluator.record_for(self.step) if self.evaluator is not None else {}
+        self.checkpoints.save(reason, step=self.step, cursor=self.cursor, sync=sync, evaluated=evaluated)
 
     # ------------------------------------------------------------------ resume
 
@@ -159,6 +163,8 @@ class Trainer:
         if loaded is not None:
             self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
             self.checkpoints.resumed(self.step)
+            if self.evaluator is not None:  # its step's evaluation, if it finished before the save
+                self.evaluator.resumed(loaded.manifest.eval, self.step)
         plan = plan_resume(
             loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
             total_steps=self.total_steps,
@@ -284,16 +290,25 @@ class Trainer:
                 # the same all-reduce (clocks differ): every_seconds then fires at the same step on every rank.
                 age = self.preemption.at_boundary(self, checkpoint_age_s=(
                     None if self.spec.checkpoint.every_seconds is None else time.monotonic() - self.last_ckpt_time))
+                # The evaluation of a resumed step that a notice stopped before (or of this step, stopped by a
+                # notice on which the policy trains on until the deadline): done first.
+                self._evaluate()
                 self._inject_faults()
                 self.step_once()
                 if first and self.node_head:  # the leader's progress lines say the rest
                     log.info("training: step %d/%d done at world %d; progress lines are on the node of rank 0",
                              self.step, self.total_steps, w.size)
                 first = False
+                self._evaluate()  # before the step's checkpoint, whose manifest records it
                 due, why = checkpoint_due(step=self.step, total_steps=self.total_steps,
                                           last_step=self.last_ckpt_step, seconds_since=age, cfg=self.spec.checkpoint)
                 if due:
                     self.save(why)
+            while self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
+                # The last step's evaluation was abandoned on a notice: leave on it now (commits this step), or,
+                # where the policy trains on until the deadline, try the evaluation again.
+                self.preemption.at_boundary(self)
+                self._evaluate()
             self.metrics.flush()
             self.saver.flush()  # the final checkpoint is durable before the job reports success
         except SaveFailed as exc:  # the saver raises it on every rank alike (see AsyncSaver)
@@ -305,6 +320,18 @@ class Trainer:
                    "seconds": round(time.monotonic() - self.metrics.t_start, 2)}
         self.events.emit("end", **summary)
         return summary
+
+    def _evaluate(self) -> None:
+        """Evaluate the current step if it is due; on a notice the evaluation is abandoned (on every rank)
+        and the next boundary agrees at once, so the leave waits for neither."""
+        ev = self.evaluator
+        if ev is None or not ev.due(self.step, self.total_steps):
+            return
+        self.metrics.flush()  # the step events before the evaluation's
+        done = ev.run(self.step, model=self.model, forward=self.net if self.sharded else self.model,
+                      sharded=self.sharded, poll=self.preemption.poll())
+        if done is None:
+            self.preemption.agree_next()
 
     def _inject_faults(self) -> None:
         """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.train.faults`)."""

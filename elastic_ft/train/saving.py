@@ -97,7 +97,7 @@ class Checkpoints:
         self.last_step = step
         self.committed = Committed(step, self.committed.seconds)
 
-    def save(self, reason: str, *, step: int, cursor: int, sync: bool = False) -> None:
+    def save(self, reason: str, *, step: int, cursor: int, sync: bool = False, evaluated: dict | None = None) -> None:
         """Checkpoint ``step``: every rank snapshots and uploads its shard.
 
         Called on every rank at the same steps. Training blocks for the host
@@ -106,6 +106,8 @@ class Checkpoints:
         ``checkpoint.max_failed_saves`` failed in a row: then the saver raises
         :class:`~elastic_ft.checkpoint.save_errors.SaveFailed` here (on every rank
         alike; the run stops). ``sync`` raises on any failure: the caller needs the checkpoint.
+        ``evaluated``: the evaluation of ``step`` (:meth:`EvalResult.record`), kept in the manifest, where
+        retention (``checkpoint.keep_best``) and a resume read it; {} or None when ``step`` was not evaluated.
         """
         t0 = time.monotonic()
         cfg = self.spec.checkpoint
@@ -129,6 +131,7 @@ class Checkpoints:
             scheduler={"name": self.spec.optimizer.schedule, "step": step, "total_steps": self.total_steps,
                        "peak_lr": self.plan.lr},
             batch_plan=self.plan.to_dict(),
+            eval=dict(evaluated or {}),
         )
         if sync or not cfg.async_save:
             self._started[step] = (t0, float("nan"), reason)
@@ -176,7 +179,8 @@ class Checkpoints:
         )
         c = self.spec.checkpoint
         if c.keep_last is not None:
-            policy = RetentionPolicy(keep_last=c.keep_last, keep_every=c.keep_every, orphan_grace_s=c.orphan_grace_s)
+            policy = RetentionPolicy(keep_last=c.keep_last, keep_every=c.keep_every, orphan_grace_s=c.orphan_grace_s,
+                                     keep_best=c.keep_best)
             try:
                 apply_gc(self.store, collect(self.store, policy, time.time(), run_id=self.run_id))
             except Exception as exc:  # retention can wait for the next commit; the checkpoint is safe

@@ -1,7 +1,7 @@
 """The figure of ``elastic-ft plot``: a run at a glance, drawn with matplotlib (the ``plot`` extra).
 
 Two panels. Above, against the step: the loss (the try the run kept, and the
-tries lost to a restart as crosses), the learning rate on its own axis, and a
+tries lost to a restart as crosses), the held-out eval loss (diamonds), the learning rate on its own axis, and a
 triangle on the loss curve at each committed checkpoint. Below, against wall
 time: tokens/s and the world size on its own axis, one segment per attempt.
 Preemptions, lost nodes, rescales and restarts are vertical lines across
@@ -64,6 +64,8 @@ def _draw_steps(ax, s: RunSeries, MaxNLocator) -> None:
     if s.redone_step:
         ax.plot(s.redone_step, s.redone_loss, color="tab:blue", alpha=0.5, linestyle="none", marker="x",
                 label="loss (a try lost to a restart)")
+    if s.eval_step:
+        ax.plot(s.eval_step, s.eval_loss, color="tab:red", marker="D", markersize=5, label="eval loss (held out)")
     checkpoints = [(m.step, s.loss_at(m.step)) for m in s.marks if m.kind == "checkpoint"]
     checkpoints = [(x, y) for x, y in checkpoints if y is not None]
     if checkpoints:

@@ -20,6 +20,7 @@ import dataclasses
 import math
 
 from elastic_ft.runevents.schema import valid
+from elastic_ft.runevents.status import kept_evals
 
 MARK_KINDS = ("checkpoint", "preempted", "node_lost", "rescale", "restart")
 
@@ -61,6 +62,9 @@ class RunSeries:
     redone_loss: list[float]
     segments: list[Segment]
     marks: list[Mark]
+    eval_step: list[int] = dataclasses.field(default_factory=list)
+    """Evaluated steps, ascending; ``eval_loss`` their held-out loss (the last evaluation of each step)."""
+    eval_loss: list[float] = dataclasses.field(default_factory=list)
 
     def loss_at(self, step: float) -> float | None:
         """The kept loss of ``step``, or None where no step event has it (a checkpoint at step 0)."""
@@ -182,10 +186,12 @@ def run_series(events: list[dict]) -> RunSeries:
     steps = sorted(kept)
     others.sort(key=lambda e: (int(e["step"]), int(e.get("attempt") or 0)))
     starts = [e for e in events if e.get("event") == "start"] or [{}]
+    evals = kept_evals(events)
     return RunSeries(
         run_id=starts[0].get("run_id"), total_steps=starts[-1].get("total_steps"),  # a restart may extend a run
         attempts=sum(1 for e in starts if e), t0=t0,
         step=steps, loss=[_num(kept[s].get("loss")) for s in steps], lr=[_num(kept[s].get("lr")) for s in steps],
         redone_step=[int(e["step"]) for e in others], redone_loss=[_num(e.get("loss")) for e in others],
         segments=_segments(attempts, t0), marks=_marks(attempts, t0),
+        eval_step=list(evals), eval_loss=[_num(e.get("loss")) for e in evals.values()],
     )

@@ -6,6 +6,7 @@ loop makes no TensorBoard calls of its own and only the leader writes. Into
 
 - each step's ``train/loss``, ``train/lr``, ``train/tokens_per_s`` and
   ``train/world`` at its step, stamped with the time the step ended;
+- ``eval/loss`` at each evaluated step (the held-out loss of the ``eval`` event);
 - ``checkpoint/seconds`` at each committed checkpoint's step (the writer
   flushes there, so the steps a checkpoint covers survive a kill);
 - rescales (``events/rescale``) and preemptions (``events/preemption``: a
@@ -92,7 +93,7 @@ class TensorBoardSink:
             # Hides what an earlier attempt wrote past the step this one resumes from.
             self._open(purge_step=int(record["step"]) + 1)
             return
-        if name not in ("step", "checkpoint_committed", "rescale", "preempted", "node_lost"):
+        if name not in ("step", "eval", "checkpoint_committed", "rescale", "preempted", "node_lost"):
             return
         writer = self._writer or self._open(None)
         if name == "step":
@@ -101,6 +102,10 @@ class TensorBoardSink:
                 value = _number(record.get(field))
                 if value is not None:
                     writer.add_scalar(tag, value, step, walltime=walltime)
+        elif name == "eval":
+            value = _number(record.get("loss"))
+            if value is not None:
+                writer.add_scalar("eval/loss", value, int(record["step"]), walltime=record.get("ts"))
         elif name == "checkpoint_committed":
             seconds = _number(record.get("seconds"))
             if seconds is not None:

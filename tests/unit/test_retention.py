@@ -145,3 +145,37 @@ def test_plan_lines_are_printable():
     lines = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1), NOW).lines()
     assert lines[0] == "keep checkpoints at steps [2]"
     assert f"delete {manifest_key(1)}" in lines[1]
+
+
+# keep_best: the checkpoint with the lowest eval loss its manifest records is kept out of retention.
+
+def test_keep_best_keeps_the_lowest_eval_loss_past_keep_last():
+    manifests, blobs = store_of([10, 20, 30, 40, 50])
+    losses = {10: 3.0, 20: 1.5, 30: 2.0, 40: None, 50: 2.5}
+    plan = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1, keep_best=True), NOW, losses)
+    assert plan.kept_steps == [20, 50]
+    gone_m, gone_b = deleted(plan)
+    assert gone_m == {manifest_key(s) for s in (10, 30, 40)}
+    assert not gone_b & manifests[20][1], "a blob of the best checkpoint was deleted"
+    # Without keep_best the same losses change nothing: the best goes with the others.
+    plain = plan_gc(manifests, blobs, RetentionPolicy(keep_last=1), NOW, losses)
+    assert plain.kept_steps == [50]
+
+
+def test_keep_best_follows_a_new_best_and_skips_non_finite_losses():
+    manifests, blobs = store_of([10, 20, 30])
+    policy = RetentionPolicy(keep_last=1, keep_best=True)
+    assert plan_gc(manifests, blobs, policy, NOW, {10: 2.0, 20: float("nan"), 30: None}).kept_steps == [10, 30]
+    assert plan_gc(manifests, blobs, policy, NOW, {10: 2.0, 20: 1.0, 30: None}).kept_steps == [20, 30]
+    assert plan_gc(manifests, blobs, policy, NOW, {10: 1.0, 20: 1.0, 30: 5.0}).kept_steps == [10, 30]  # earliest tie
+    assert plan_gc(manifests, blobs, policy, NOW, {10: float("inf")}).kept_steps == [30]  # no finite loss: no best
+    assert plan_gc(manifests, blobs, policy, NOW).kept_steps == [30]  # no losses given
+
+
+def test_best_step():
+    from elastic_ft.checkpoint.retention import best_step
+
+    assert best_step({}) is None
+    assert best_step({4: None, 8: float("nan")}) is None
+    assert best_step({4: 2.0, 8: 1.0, 12: 1.0}) == 8
+    assert best_step({4: True, 8: 3.0}) == 8  # a bool is not a loss

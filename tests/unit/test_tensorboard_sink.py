@@ -106,3 +106,11 @@ def test_tensorboard_without_its_package_is_a_spec_error_naming_the_field_and_th
     with pytest.raises(ConfigError) as err:
         load_spec(DEFAULT_SPEC, ["logging.tensorboard=sometimes"])
     assert err.value.problems[0][0] == "logging.tensorboard"
+
+
+def test_eval_losses_are_a_scalar_at_their_step(tmp_path):
+    tb = str(tmp_path / "tensorboard")
+    attempt(tb, 1, 0, [(1, 5.0), (2, 4.8)], ("eval", {"step": 2, "loss": 4.9, "tokens": 700, "samples": 64}),
+            ("eval", {"step": 4, "loss": "nan", "tokens": 700, "samples": 64}))  # a NaN loss is left out
+    acc = accumulate(tb)
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("eval/loss")] == [(2, 4.9)]
