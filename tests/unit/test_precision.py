@@ -72,6 +72,7 @@ def test_default_precision_changes_nothing_and_keeps_old_hashes():
         d.pop(volatile)
     d["data"].pop("eval_files")  # added with evaluation: at their defaults they hash as before
     d["data"].pop("eval_fraction")
+    d["data"].pop("messages_field")  # added with chat data: unset, it hashes as before
     d["optimizer"].pop("max_nonfinite_steps")
     d["model"].pop("gradient_checkpointing")
     d["model"].pop("loss_chunk_tokens")
