@@ -10,6 +10,8 @@ rebuild the base model from the spec alone.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig, QuantizationConfig
@@ -139,9 +141,14 @@ def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: Precisi
         return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     import tempfile
 
+    from safetensors.torch import save_model
+
     full = build_base_model(cfg, tokenizer, seed, torch.float32)
     with tempfile.TemporaryDirectory(prefix="elastic-ft-base-") as tmp:
-        full.save_pretrained(tmp)
+        # Not full.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank
+        # quantizes its own copy. save_model keeps one of each tied tensor, as save_pretrained does.
+        full.config.save_pretrained(tmp)
+        save_model(full, os.path.join(tmp, "model.safetensors"))
         del full
         return AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
 
