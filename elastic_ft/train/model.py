@@ -337,3 +337,34 @@ def weight_bytes(module) -> int:
             total += 0 if offset is None else offset.numel() * offset.element_size()
             state = getattr(state, "state2", None)
     return total
+
+
+def dequantize(model, dtype: torch.dtype):
+    """``model`` (in place) with each 4-bit Linear replaced by a plain one holding its dequantized weight in
+    ``dtype``, and every other weight cast to ``dtype``: the copy an adapter merges into, equal to what each
+    matmul of training multiplied with when ``dtype`` is the compute dtype. Not transformers' ``dequantize()``:
+    measured here, its weights differ from bitsandbytes' own dequantization by up to 0.3 on the tiny model."""
+    import bitsandbytes.functional as bnb_functional
+
+    for name, module in list(model.named_modules()):
+        if not is_4bit(module):
+            continue
+        weight = bnb_functional.dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                 device=weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if module.bias is not None:
+                linear.bias.copy_(module.bias.to(dtype))
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, linear)
+    # What transformers keeps of the quantization: its config would be saved (and re-applied on load), and
+    # its quantization method makes the cast below refuse.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    return model.to(dtype)
