@@ -153,3 +153,37 @@ def test_qlora_trains_its_adapters_in_float32_and_checkpoints_only_them(tmp_path
     assert sum(t.numel() * t.element_size() for t in optim.values()) <= 2 * adapter_bytes + 8 * len(weights)
     assert not any(n.endswith(("absmax", "quant_map")) or "quant_state" in n for n in [*weights, *optim])
     assert sum(model_mod.is_4bit(m) for m in run.trainer.model.modules()) == 14  # trained on the 4-bit base
+
+
+def test_the_8b_qlora_spec_loads_and_validates_without_a_download():
+    spec = load_spec(f"{REPO}/specs/llama-3.1-8b-qlora-spot.yaml")
+    assert spec.quantization.load_in_4bit and spec.quantization.quant_type == "nf4"
+    assert spec.lora.target_modules == "all-linear" and spec.parallelism.strategy == "ddp"
+    assert spec.model.name_or_path.startswith("s3://")  # fetched by each node, not here
+
+
+def test_a_pretrained_directory_loads_4bit_with_the_bytes_of_the_inline_base(tmp_path):
+    """A saved (pretrained) base goes through the same quantization as an inline one: the same bytes."""
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    model_mod.build_base_model(spec.model, tok, spec.seed, torch.float32).save_pretrained(str(tmp_path / "base"))
+    tok.save_pretrained(str(tmp_path / "base"))
+    saved = load_spec(DEFAULT_SPEC, [*Q4, "model.config=null", f"model.name_or_path={tmp_path / 'base'}"])
+    _tok, model = model_mod.build(saved)
+    assert sum(model_mod.is_4bit(m) for m in model.modules()) == 14
+    inline = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    assert quantized_digest(model) == quantized_digest(inline)
+
+
+def quantized_digest(model) -> str:
+    """sha256 of the 4-bit weights and their scales only, by module name (PEFT's wrapper names stripped)."""
+    h = hashlib.sha256()
+    modules = {n.replace(".base_layer", "").replace("base_model.model.", ""): m for n, m in model.named_modules()
+               if model_mod.is_4bit(m)}
+    for name, m in sorted(modules.items()):
+        state = m.weight.quant_state
+        for t in (m.weight.data, state.absmax, state.state2.absmax if state.nested else None):
+            if t is not None:
+                h.update(name.encode())
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
