@@ -44,11 +44,11 @@ def _one(args) -> dict:
 
     from elastic_ft.config import load_spec
     from elastic_ft.train import model as model_mod
-    from elastic_ft.train import precision
+    from elastic_ft.train import precision, quantization
 
     spec = load_spec(os.path.join(ROOT, "specs", "tiny-lora.yaml"), _overrides(args))
     tokenizer, model = model_mod.build(spec)
-    base_bytes = model_mod.weight_bytes(model.get_base_model()) - sum(
+    base_bytes = quantization.weight_bytes(model.get_base_model()) - sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     built_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(ROOT, "data", "tiny-corpus.jsonl")) as f:
@@ -74,9 +74,9 @@ def _one(args) -> dict:
         from peft import prepare_model_for_kbit_training
 
         base = model_mod.build_base(spec.model, tokenizer, spec.seed, spec.precision, None, spec.quantization)
-        before = model_mod.weight_bytes(base)
+        before = quantization.weight_bytes(base)
         prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-        out["prepare_adds_bytes"] = model_mod.weight_bytes(base) - before
+        out["prepare_adds_bytes"] = quantization.weight_bytes(base) - before
     return out
 
 

@@ -31,7 +31,7 @@ from elastic_ft.config import ConfigError, JobSpec, QuantizationConfig, spec_fro
 from elastic_ft.checkpoint.filemode import FileTree
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.train import model as model_mod
-from elastic_ft.train import precision
+from elastic_ft.train import precision, quantization
 
 
 def export(uri: str, out: str, *, step: int | None = None, merge: bool = False) -> dict:
@@ -115,7 +115,7 @@ def write_merged(spec: JobSpec, weights: dict[str, torch.Tensor], out: str) -> t
         tokenizer = model_mod.build_tokenizer(cfg)
         base = model_mod.build_base(cfg, tokenizer, spec.seed, spec.precision, None, spec.quantization)
     if spec.quantization.load_in_4bit:
-        base = model_mod.dequantize(base, dtype)
+        base = quantization.dequantize(base, dtype)
     model = model_mod.apply_lora(base, spec)
     model_mod.load_trainable_state(model, weights)
     merged = model.merge_and_unload().to(dtype)

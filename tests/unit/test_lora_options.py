@@ -57,7 +57,7 @@ def load_adapter(out, quantization=None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from elastic_ft.train.model import bnb_config
+    from elastic_ft.train.quantization import bnb_config
 
     kwargs = {} if quantization is None else {"quantization_config": bnb_config(quantization),
                                               "device_map": {"": "cpu"}}

@@ -21,6 +21,7 @@ import torch
 from elastic_ft.config import ConfigError, load_spec
 from elastic_ft.config import validation
 from elastic_ft.train import model as model_mod
+from elastic_ft.train import quantization
 from tests.conftest import DEFAULT_SPEC, REPO
 from tests.unit.inprocess import train
 
@@ -47,6 +48,7 @@ import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from elastic_ft.config import load_spec
 from elastic_ft.train import model as model_mod
+from elastic_ft.train import quantization
 from tests.unit.test_qlora import state_digest
 spec = load_spec(sys.argv[2], ["quantization.load_in_4bit=true"])
 tok = model_mod.build_tokenizer(spec.model)
@@ -106,15 +108,15 @@ def test_the_base_is_4bit_and_its_decoder_weights_take_a_quarter_of_bfloat16():
     tok = model_mod.build_tokenizer(spec.model)
     q = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
     bf16 = model_mod.build_base_model(spec.model, tok, spec.seed, torch.bfloat16)
-    linears = [n for n, m in q.named_modules() if model_mod.is_4bit(m)]
+    linears = [n for n, m in q.named_modules() if quantization.is_4bit(m)]
     assert len(linears) == 7 * 2 and all(".layers." in n for n in linears)  # every decoder Linear, not lm_head
     assert type(q.get_output_embeddings()).__name__ == "Linear"
-    layers_q = model_mod.weight_bytes(q.model.layers)
-    layers_bf16 = model_mod.weight_bytes(bf16.model.layers)
+    layers_q = quantization.weight_bytes(q.model.layers)
+    layers_bf16 = quantization.weight_bytes(bf16.model.layers)
     ratio = layers_q / layers_bf16
     # nf4: 0.5 byte a weight, plus 8-bit scales per 64 weights (double quant) and small tables: 0.26 here.
     assert 0.24 < ratio < 0.30, (layers_q, layers_bf16)
-    whole = model_mod.weight_bytes(q) / model_mod.weight_bytes(bf16)
+    whole = quantization.weight_bytes(q) / quantization.weight_bytes(bf16)
     print(f"decoder layers: {layers_q} B 4-bit vs {layers_bf16} B bfloat16 ({ratio:.3f}); whole base {whole:.3f}")
 
 
@@ -152,7 +154,7 @@ def test_qlora_trains_its_adapters_in_float32_and_checkpoints_only_them(tmp_path
     adapter_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     assert sum(t.numel() * t.element_size() for t in optim.values()) <= 2 * adapter_bytes + 8 * len(weights)
     assert not any(n.endswith(("absmax", "quant_map")) or "quant_state" in n for n in [*weights, *optim])
-    assert sum(model_mod.is_4bit(m) for m in run.trainer.model.modules()) == 14  # trained on the 4-bit base
+    assert sum(quantization.is_4bit(m) for m in run.trainer.model.modules()) == 14  # trained on the 4-bit base
 
 
 def test_the_8b_qlora_spec_loads_and_validates_without_a_download():
@@ -170,7 +172,7 @@ def test_a_pretrained_directory_loads_4bit_with_the_bytes_of_the_inline_base(tmp
     tok.save_pretrained(str(tmp_path / "base"))
     saved = load_spec(DEFAULT_SPEC, [*Q4, "model.config=null", f"model.name_or_path={tmp_path / 'base'}"])
     _tok, model = model_mod.build(saved)
-    assert sum(model_mod.is_4bit(m) for m in model.modules()) == 14
+    assert sum(quantization.is_4bit(m) for m in model.modules()) == 14
     inline = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
     assert quantized_digest(model) == quantized_digest(inline)
 
@@ -179,7 +181,7 @@ def quantized_digest(model) -> str:
     """sha256 of the 4-bit weights and their scales only, by module name (PEFT's wrapper names stripped)."""
     h = hashlib.sha256()
     modules = {n.replace(".base_layer", "").replace("base_model.model.", ""): m for n, m in model.named_modules()
-               if model_mod.is_4bit(m)}
+               if quantization.is_4bit(m)}
     for name, m in sorted(modules.items()):
         state = m.weight.quant_state
         for t in (m.weight.data, state.absmax, state.state2.absmax if state.nested else None):
