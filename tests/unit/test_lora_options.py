@@ -132,3 +132,14 @@ def test_merged_export_generates_what_the_adapter_model_does(tmp_path, qlora):
     tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
     for prompt in ("What is 2 + 3?", "Name a colour."):
         assert greedy(merged, tokenizer, prompt) == greedy(tuned, tokenizer, prompt), prompt
+
+
+def test_merge_of_a_full_fine_tune_is_refused_in_one_line(tmp_path):
+    from elastic_ft.config import ConfigError
+
+    train(tmp_path, "full", "lora=null", "steps=1", "checkpoint.every_steps=1")
+    with pytest.raises(ConfigError) as info:
+        export(f"file://{tmp_path}/full", str(tmp_path / "out"), merge=True)
+    assert info.value.problems == [("lora", "is null (a full fine-tune): its export is a whole model already; "
+                                            "drop --merge")]
+    assert not (tmp_path / "out").exists()
