@@ -101,6 +101,7 @@ def test_hash_is_unchanged_by_the_new_sections_at_their_defaults_and_changed_by_
     assert load_spec(DEFAULT_SPEC, ["lora.use_dora=true"]).hash() != plain.hash()
 
 
+@pytest.mark.slow  # two ~2M-parameter bases
 def test_the_base_is_4bit_and_its_decoder_weights_take_a_quarter_of_bfloat16():
     # Wider than the tiny model, so that the per-layer constants (the 1 KB code table) do not dominate.
     wide = ["model.config.hidden_size=256", "model.config.intermediate_size=1024"]
