@@ -17,7 +17,7 @@ import torch
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig, QuantizationConfig
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.train import loss, precision
-from elastic_ft.train.quantization import bnb_config, is_4bit
+from elastic_ft.train.quantization import bnb_config, device_problem, is_4bit
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -128,7 +128,10 @@ def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: Precisi
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs = pretrained_kwargs(precision.load_dtype(cfg.dtype, policy), device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    if (problem := device_problem(q, device.type, precision.bf16_supported(device))) is not None:
+        raise ConfigError([problem])
+    kwargs = pretrained_kwargs(precision.load_dtype(cfg.dtype, policy), device)
     kwargs["quantization_config"] = bnb_config(q)
     if cfg.name_or_path is not None:
         return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)

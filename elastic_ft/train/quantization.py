@@ -75,3 +75,12 @@ def dequantize(model, dtype: torch.dtype):
     if hasattr(model, "is_quantized"):
         model.is_quantized = False
     return model.to(dtype)
+
+
+def device_problem(q: QuantizationConfig, device_type: str, bf16_supported: bool) -> tuple[str, str] | None:
+    """Why a device of ``device_type`` cannot dequantize to ``q.compute_dtype``, as (field, message), or None
+    (a T4 or V100 has no bfloat16: checked before the base is loaded, not at the first matmul)."""
+    if q.load_in_4bit and q.compute_dtype == "bfloat16" and not bf16_supported:
+        return ("quantization.compute_dtype", f"bfloat16 is not supported by this {device_type} device; "
+                                              f"use float16 (or float32)")
+    return None

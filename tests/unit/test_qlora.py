@@ -190,3 +190,12 @@ def quantized_digest(model) -> str:
                 h.update(name.encode())
                 h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def test_bfloat16_dequantization_on_a_gpu_without_it_names_the_field():
+    q = load_spec(DEFAULT_SPEC, Q4).quantization
+    assert quantization.device_problem(q, "cuda", bf16_supported=False) == (
+        "quantization.compute_dtype", "bfloat16 is not supported by this cuda device; use float16 (or float32)")
+    assert quantization.device_problem(q, "cuda", bf16_supported=True) is None
+    fp16 = load_spec(DEFAULT_SPEC, [*Q4, "quantization.compute_dtype=float16"]).quantization
+    assert quantization.device_problem(fp16, "cuda", bf16_supported=False) is None
