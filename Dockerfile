@@ -49,7 +49,7 @@ COPY constraints.txt pyproject.toml setup.py README.md ./
 # in a layer of its own that a code change does not rebuild.
 RUN pip install --index-url "${ELASTIC_FT_TORCH_INDEX}" -c constraints.txt "torch==2.13.*"
 COPY elastic_ft ./elastic_ft
-RUN pip install -c constraints.txt . \
+RUN pip install -c constraints.txt ".[qlora]" \
     && python -c "import elastic_ft.components, torch, torchx; print('torch', torch.__version__)"
 
 COPY specs ./specs

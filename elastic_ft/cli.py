@@ -4,7 +4,7 @@
   elastic-ft ckpt ls URI            committed checkpoints of a run (step, time, size)
   elastic-ft ckpt verify URI        re-hash the newest checkpoint (exit 1 naming a bad blob)
   elastic-ft ckpt gc URI [--dry-run] retention and orphan collection
-  elastic-ft export URI --out DIR [--step N | --best]
+  elastic-ft export URI --out DIR [--step N | --best] [--merge]
   elastic-ft doctor [--rdzv_endpoint H:P] [--run_id R] [--checkpoint_uri U] [--post]  check a node for multi-node failures
   elastic-ft goodput RUN            where a run's wall time went (RUN: the run's URI, whose store's events/ are
                                     read, or events.jsonl, its directory, the run's directory or its id)
@@ -285,9 +285,11 @@ def _export(args) -> int:
     from elastic_ft.train.export import export
 
     _check_export_args(args)
-    result = export(args.uri, args.out, step=args.step)
+    result = export(args.uri, args.out, step=args.step, merge=args.merge)
     kind = "PEFT adapter" if result["lora"] else "model"
     best = " (the lowest eval loss)" if args.best else ""
+    if "merged_dtype" in result:
+        kind = f"model with the adapters merged, in {result['merged_dtype']},"
     print(f"exported step {result['step']}{best} as a {kind} to {result['out']}")
     return 0
 
@@ -348,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     which.add_argument("--best", action="store_true",
                        help="the checkpoint with the lowest eval loss (recorded in its manifest; see eval.every_steps)")
+    e.add_argument("--merge", action="store_true",
+                   help="LoRA runs: write the adapters merged into the base, a plain model directory (in the base's "
+                        "dtype; a 4-bit base dequantized to quantization.compute_dtype)")
     e.set_defaults(func=_export)
     gp = sub.add_parser("goodput", help="a run's wall time by category: kept and redone steps, checkpoint, restart, loading")
     gp.add_argument("run", help="the run's URI (file:// or s3://, as for ckpt ls: its store's events/, else the local "

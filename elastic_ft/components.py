@@ -46,6 +46,7 @@ from elastic_ft.checkpoint.store import check_uri
 from elastic_ft.submission.app_metadata import app_metadata
 from elastic_ft.submission.arguments import argument_errors, check_arguments
 from elastic_ft.submission.bash_line import RANK0_ENDPOINT, bash_line
+from elastic_ft.submission.host_types import node_resource
 from elastic_ft.submission.batch_fit import check_batch_fits
 from elastic_ft.submission.node_resources import default_nproc, efa_count, job_env, with_efa
 
@@ -91,11 +92,11 @@ def train(
         gpu: GPUs per node (each process then trains on one, over NCCL; NCCL_*, TORCH_NCCL_*, FI_* and OFI_NCCL_* variables of the submitting environment, e.g. EFA's FI_PROVIDER=efa, are passed to the nodes)
         efa: EFA network interfaces per node, mounted into the container (/dev/infiniband/uverbsN; aws_batch) so NCCL's collectives between nodes take EFA, with FI_PROVIDER=efa unless set; -1 (default): the named host type's count (--h, e.g. aws_p4d.24xlarge: 4, aws_p5.48xlarge: 32), else none; 0: none
         memMB: memory per node in MB
-        h: a named host type (scheduler specific), instead of cpu/gpu/memMB
+        h: a named host type (scheduler specific), instead of cpu/gpu/memMB; its GPUs are then the default of gpu and nproc_per_node: torchx's (aws_p4d.24xlarge, aws_p5.48xlarge, aws_g5.xlarge, ...) and aws_g6.* / aws_g6e.* (L4 / L40S), e.g. aws_g6.xlarge: 1 GPU of 24 GB, for specs/llama-3.1-8b-qlora-spot.yaml
         env: extra environment variables, e.g. AWS_REGION=us-east-1,ELASTIC_FT_LOG_LEVEL=DEBUG (shell variable names; not those bash acts on at start, such as BASH_ENV)
         log_dir: directory of events.jsonl (default: the spec's logging.dir, else the run's directory's logs/ for a file:// checkpoint_uri, ~/.cache/elastic_ft/runs/RUN_ID/logs for s3://)
     """
-    resource = with_efa(specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), efa)
+    resource = with_efa(node_resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h), efa)
     nproc_per_node = default_nproc(nproc_per_node, resource.gpu)
     lo, hi = check_arguments(
         nnodes=nnodes, nproc_per_node=nproc_per_node, gpus=resource.gpu, run_id=run_id, rdzv_backend=rdzv_backend,

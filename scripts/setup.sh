@@ -2,13 +2,13 @@
 # One-time (idempotent) set-up on a fresh machine: a virtual environment in
 # .venv with elastic_ft and its dependencies, torch held at the provisioned
 # CPU build by constraints.txt. With --test, also the test extras (and the
-# optional plot and tensorboard extras, which the tests exercise), and the
+# optional plot, tensorboard and qlora extras, which the tests exercise), and the
 # Debian etcd server and etcdctl (the rendezvous tests start a server on
 # 127.0.0.1 and enable auth on it with etcdctl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
-if [[ "${1:-}" == "--test" ]]; then extras="[test,plot,tensorboard]"; fi
+if [[ "${1:-}" == "--test" ]]; then extras="[test,plot,tensorboard,qlora]"; fi
 
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv

@@ -27,6 +27,7 @@ from elastic_ft.config.sections import (
     OptimizerConfig,
     ParallelismConfig,
     PrecisionConfig,
+    QuantizationConfig,
     SpotConfig,
 )
 from elastic_ft.config.validation import validate
@@ -34,6 +35,6 @@ from elastic_ft.config.validation import validate
 __all__ = [
     "LIMITS", "MAX_BATCH", "MAX_STEPS", "BatchConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "InputsConfig",
     "JobSpec", "LoggingConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig", "PrecisionConfig",
-    "SpotConfig", "apply_overrides",
+    "QuantizationConfig", "SpotConfig", "apply_overrides",
     "load_spec", "spec_from_dict", "validate",
 ]

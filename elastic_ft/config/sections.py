@@ -53,6 +53,25 @@ class PrecisionConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class QuantizationConfig:
+    load_in_4bit: bool = False
+    """Q-LoRA: load the frozen base's decoder-layer Linear weights in 4 bits (bitsandbytes' ``Linear4bit``, via
+    transformers' ``BitsAndBytesConfig``; the ``qlora`` extra: ``pip install 'elastic-ft[qlora]'``). About a
+    quarter of their bfloat16 bytes; the embeddings, norms and output layer stay in ``precision.param_dtype``.
+    Needs a ``lora`` section (4-bit weights are not trained) and ``parallelism.strategy: ddp``. Quantizing is
+    deterministic (the same base gives the same bytes on every worker) and the 4-bit weights are never
+    checkpointed: each (re)started worker quantizes the base again as it loads it."""
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type: ``nf4`` (NormalFloat, the Q-LoRA paper's, for normally distributed weights) or ``fp4``."""
+    double_quant: bool = True
+    """Quantize the per-block scales too (8-bit, blocks of 256): about 0.37 bits less per weight (0.4 GB on an 8B
+    model) for a little dequantization time."""
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """The dtype 4-bit weights are dequantized to for each matmul (and the dtype of the ``--merge`` export's
+    dequantized copy). bfloat16 as in the Q-LoRA paper; float32 costs twice the temporary and the time."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class ParallelismConfig:
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """How the model is spread over the ranks: ``ddp`` (a full replica per rank, gradients all-reduced), or
@@ -110,8 +129,24 @@ class LoraConfig:
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Module names to adapt."""
+    target_modules: list[str] | Literal["all-linear"] = dataclasses.field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names to adapt (a module whose full name equals an entry or ends with ``.`` + the entry), or
+    ``all-linear``: every Linear (and 4-bit Linear) of the decoder layers, not the output layer (PEFT's rule)."""
+    use_dora: bool = False
+    """DoRA: each adapted weight split into a magnitude vector (trained, one value per output feature) and a
+    direction LoRA adapts. Better at low ranks, about one more weight-sized temporary per adapted layer
+    and step (the weight's norm is recomputed; on a 4-bit base, from the dequantized weight)."""
+    use_rslora: bool = False
+    """rsLoRA: scale the adapter by ``alpha / sqrt(r)`` instead of ``alpha / r`` (stable at high ranks)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full beside the adapters (e.g. ``embed_tokens``, ``lm_head`` for new tokens or a new
+    head): PEFT keeps a trainable copy of each, checkpointed and exported with the adapters. Their optimizer
+    state is 2 float32 copies each (a 128k x 4096 embedding: 6 GB of state). Must not be a 4-bit module."""
+    init_lora_weights: bool | Literal["gaussian", "orthogonal"] = True
+    """How the adapters start (PEFT's choices that leave the base weights untouched): ``true`` (A
+    Kaiming-uniform, B zero: the adapter starts as a no-op), ``gaussian`` (A normal with std 1/r, B zero),
+    ``orthogonal`` (A and B orthogonal, not a no-op; ``r`` even; not on a 4-bit base), ``false`` (A and B
+    random: for debugging). Drawn from ``seed``, the same on every rank and restart."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -275,6 +310,8 @@ class JobSpec:
     spot: SpotConfig = dataclasses.field(default_factory=SpotConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     """Mixed precision: the dtype of frozen weights and of compute (trainable state stays float32)."""
+    quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
+    """How the frozen base is stored: 4-bit (Q-LoRA), or unquantized (the default)."""
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation on held-out data: the token-weighted loss over every rank, as ``eval`` events (see ``data``'s
@@ -302,8 +339,12 @@ class JobSpec:
             d["data"].pop("eval_fraction", None)
         d.pop("parallelism", None)  # where the state lives, not what is computed (up to the order of float sums)
         # Sections added later hash as before while at their defaults: older runs keep their hash.
-        for section, cls in (("precision", PrecisionConfig),):
+        for section, cls in (("precision", PrecisionConfig), ("quantization", QuantizationConfig)):
             if d.get(section) == dataclasses.asdict(cls()):
                 d.pop(section)
+        lora, lora_defaults = d.get("lora"), dataclasses.asdict(LoraConfig())
+        for added in ("use_dora", "use_rslora", "modules_to_save", "init_lora_weights"):
+            if lora is not None and lora.get(added) == lora_defaults[added]:
+                lora.pop(added)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -74,6 +74,7 @@ class _Converter:
                 return True, None
             if len(args) == 1:
                 return self.convert(args[0], value, path)
+            return self.convert_either(args, value, path)
         if origin is Literal:
             allowed = typing.get_args(tp)
             if value in allowed:
@@ -119,6 +120,16 @@ class _Converter:
         self.problems.append((path, f"must be {getattr(tp, '__name__', tp)}, got {_show(value)}"))
         return False, None
 
+    def convert_either(self, args: tuple, value, path: str) -> tuple[bool, Any]:
+        """``value`` as the first of ``args`` it converts to (``target_modules``: a list, or ``all-linear``);
+        one problem naming every choice when none fits, not one per choice."""
+        for tp in args:
+            ok, converted = _Converter([], self.limits).convert(tp, value, path)
+            if ok:
+                return True, converted
+        self.problems.append((path, f"must be {' or '.join(_describe_type(tp) for tp in args)}, got {_show(value)}"))
+        return False, None
+
     def convert_float(self, value, path: str) -> tuple[bool, Any]:
         """A finite float from a number, or from a string like 1e-4 (PyYAML reads YAML 1.1, where that is a string)."""
         number = None
@@ -153,3 +164,13 @@ class _Converter:
                     return False
                 stack.append((v, sub))
         return True
+
+
+def _describe_type(tp) -> str:
+    """A type as a spec's reader would say it: ``a list of str``, ``'all-linear'``, ``bool``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    if origin is list:
+        return f"a list of {_describe_type(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))

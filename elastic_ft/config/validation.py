@@ -13,6 +13,7 @@ from elastic_ft.config.names import name_problem
 
 
 TENSORBOARD_EXTRA = "pip install 'elastic-ft[tensorboard]'"
+QLORA_EXTRA = "pip install 'elastic-ft[qlora]'"
 
 
 def tensorboard_missing() -> str | None:
@@ -23,6 +24,50 @@ def tensorboard_missing() -> str | None:
     if importlib.util.find_spec("tensorboard") is None:
         return f"needs the tensorboard package, which is not installed: {TENSORBOARD_EXTRA}"
     return None
+
+
+def bitsandbytes_missing() -> str | None:
+    """Why ``quantization.load_in_4bit: true`` cannot work here (bitsandbytes is not installed), or None."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f"needs the bitsandbytes package, which is not installed: {QLORA_EXTRA}"
+    return None
+
+
+def _lora_problems(spec: JobSpec, check_files: bool) -> list[tuple[str, str]]:
+    """The LoRA options and the 4-bit base against each other and the rest of the spec."""
+    p: list[tuple[str, str]] = []
+    lora, q = spec.lora, spec.quantization
+    if lora is not None:
+        if lora.init_lora_weights == "orthogonal" and lora.r % 2:
+            p.append(("lora.init_lora_weights", f"orthogonal needs an even lora.r, got {lora.r}"))
+        if lora.modules_to_save is not None and not lora.modules_to_save:
+            p.append(("lora.modules_to_save", "is an empty list; name at least one module, or remove it"))
+    if not q.load_in_4bit:
+        return p
+    if lora is None:
+        p.append(("quantization.load_in_4bit", "needs a lora section: 4-bit weights are frozen, a full fine-tune "
+                                               "cannot train them; add lora, or set load_in_4bit: false"))
+    elif lora.init_lora_weights == "orthogonal":
+        p.append(("lora.init_lora_weights", "orthogonal cannot start adapters on a 4-bit base "
+                                            "(quantization.load_in_4bit: PEFT gives them the base weight's integer "
+                                            "dtype); use true or gaussian"))
+    if spec.parallelism.strategy == "fsdp":
+        p.append(("parallelism.strategy", "fsdp cannot shard a 4-bit base (quantization.load_in_4bit: true): its "
+                                          "packed weights are not sharded here; use ddp (a 4-bit 8B base is ~5.5 GB "
+                                          "per rank), or load_in_4bit: false"))
+    if spec.precision.param_dtype == "float16":
+        # Measured: bitsandbytes returns its output in its input's dtype, float16 here, which the bfloat16
+        # autocast that float16 weights require then refuses to mix ("Unexpected floating ScalarType").
+        p.append(("precision.param_dtype", "float16 does not train with a 4-bit base (quantization.load_in_4bit: "
+                                           "true): its float16 activations meet bfloat16 autocast; use bfloat16"))
+    if spec.model.dtype != "float32":
+        p.append(("model.dtype", f"casts the whole model, 4-bit weights included "
+                                 f"(quantization.load_in_4bit: true); remove it and set precision.param_dtype: "
+                                 f"{spec.model.dtype} for the weights that are not quantized"))
+    if check_files:  # the machine that trains needs the package, not one that only validates or exports
+        if (missing := bitsandbytes_missing()) is not None:
+            p.append(("quantization.load_in_4bit", missing))
+    return p
 
 
 def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]]:
@@ -74,6 +119,7 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
     need(par.shard_size is None or par.strategy == "fsdp", "parallelism.shard_size",
          f"applies to parallelism.strategy fsdp only (it is {par.strategy}); remove it or set the strategy to fsdp")
     p.extend(_eval_problems(spec))
+    p.extend(_lora_problems(spec, check_files))
     p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the

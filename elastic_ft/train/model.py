@@ -10,11 +10,14 @@ rebuild the base model from the spec alone.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig
+from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig, QuantizationConfig
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.train import loss, precision
+from elastic_ft.train.quantization import bnb_config, device_problem, is_4bit
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -127,11 +130,51 @@ def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype 
     return model.to(dtype)
 
 
-def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, device: torch.device | None = None):
+
+
+def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, q: QuantizationConfig,
+                         device: torch.device | None = None):
+    """The base with its decoder-layer Linear weights in 4 bits (``Linear4bit``), quantized onto ``device``
+    (default: host memory) as transformers loads them; what is not quantized in ``policy``'s frozen dtype.
+
+    Deterministic: blockwise 4-bit quantization is a pure function of the weights, so the same base gives
+    the same bytes in every process, and a restarted worker trains on exactly what its predecessor did.
+    An inline config's seeded float32 weights go through a temporary directory, the very path a
+    pretrained one takes (transformers quantizes while it loads; it has no in-place entry point): the
+    temporary costs one float32 write of the model to the host's disk, per (re)start, for a test-size model.
+    Cost: one pass over the base's weights, growing with the model, not the data or the node count.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = device or torch.device("cpu")
+    if (problem := device_problem(q, device.type, precision.bf16_supported(device))) is not None:
+        raise ConfigError([problem])
+    kwargs = pretrained_kwargs(precision.load_dtype(cfg.dtype, policy), device)
+    kwargs["quantization_config"] = bnb_config(q)
+    if cfg.name_or_path is not None:
+        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    full = build_base_model(cfg, tokenizer, seed, torch.float32)
+    with tempfile.TemporaryDirectory(prefix="elastic-ft-base-") as tmp:
+        # Not full.save_pretrained: under torch.distributed it writes on rank 0 only, and every rank
+        # quantizes its own copy. save_model keeps one of each tied tensor, as save_pretrained does.
+        full.config.save_pretrained(tmp)
+        save_model(full, os.path.join(tmp, "model.safetensors"))
+        del full
+        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+
+
+def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, device: torch.device | None = None,
+               quantization: QuantizationConfig | None = None):
     """The base model for ``policy``: a pretrained one loaded straight in its frozen dtype onto ``device``
     (an 8B model never sits in host memory, nor anywhere as float32); an inline one built in float32, as
     its weights are drawn, and its parameters cast by :func:`precision.apply` (not its buffers: rotary
-    frequencies stay float32)."""
+    frequencies stay float32). With ``quantization.load_in_4bit``: :func:`build_quantized_base`."""
+    if quantization is not None and quantization.load_in_4bit:
+        return build_quantized_base(cfg, tokenizer, seed, policy, quantization, device)
     if cfg.name_or_path is not None or precision.is_default(policy):
         return build_base_model(cfg, tokenizer, seed, precision.load_dtype(cfg.dtype, policy), device)
     return build_base_model(cfg, tokenizer, seed, torch.float32)
@@ -154,34 +197,76 @@ def adaptable_names(model) -> list[str]:
     return sorted(names)
 
 
-def check_target_modules(model, targets: list[str]) -> None:
-    """Raise :class:`ConfigError` naming each ``lora.target_modules`` entry that matches no module."""
+def check_target_modules(model, targets: list[str], field: str = "lora.target_modules") -> None:
+    """Raise :class:`ConfigError` naming each ``field`` entry that matches no module."""
     missing = unmatched_targets([name for name, _ in model.named_modules()], targets)
     if missing:
         names = " and ".join(map(repr, missing))
         verb = "matches" if len(missing) == 1 else "match"
         known = ", ".join(adaptable_names(model)) or "(none)"
-        raise ConfigError([("lora.target_modules", f"{names} {verb} no module of the model; "
-                                                   f"its Linear/Conv1D modules are named: {known}")])
+        raise ConfigError([(field, f"{names} {verb} no module of the model; "
+                                   f"its Linear/Conv1D modules are named: {known}")])
+
+
+
+
+def check_modules_to_save(model, names: list[str]) -> None:
+    """Raise :class:`ConfigError` naming ``lora.modules_to_save`` when an entry matches no module, or a
+    4-bit one (its packed weights cannot be trained in full)."""
+    check_target_modules(model, names, "lora.modules_to_save")
+    quantized = sorted({t for t in names for n, m in model.named_modules()
+                        if (n == t or n.endswith("." + t)) and is_4bit(m)})
+    if quantized:
+        raise ConfigError([("lora.modules_to_save", f"{', '.join(map(repr, quantized))} is 4-bit "
+                                                    f"(quantization.load_in_4bit): it cannot be trained in full; "
+                                                    f"name unquantized modules (embed_tokens, lm_head)")])
+
+
+def peft_config(spec: JobSpec):
+    """PEFT's ``LoraConfig`` for the spec's ``lora`` section (every option reaches ``adapter_config.json``)."""
+    from peft import LoraConfig
+
+    lora = spec.lora
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM",
+        use_dora=lora.use_dora, use_rslora=lora.use_rslora, init_lora_weights=lora.init_lora_weights,
+        modules_to_save=None if lora.modules_to_save is None else list(lora.modules_to_save),
+    )
 
 
 def apply_lora(model, spec: JobSpec):
-    """Wrap ``model`` with LoRA adapters (or leave it whole for a full fine-tune)."""
+    """Wrap ``model`` with LoRA adapters (or leave it whole for a full fine-tune).
+
+    On a 4-bit base, PEFT's ``prepare_model_for_kbit_training`` is not called: what it does that
+    matters is done here already (the base frozen by PEFT, the checkpointing of
+    :func:`enable_gradient_checkpointing`, non-reentrant so no input hook is needed), and what it adds
+    costs memory: it casts every unquantized weight (embeddings, output layer, norms) to float32,
+    2.1 GB more for Llama-3.1-8B's bfloat16 embeddings and output layer (measured on the tiny and ~100M
+    models by bench/qlora.py). Trainable weights are float32 here in any case (below).
+    """
     if spec.lora is None:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    check_target_modules(model, list(spec.lora.target_modules))
-
-    lora = LoraConfig(
-        r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
-        target_modules=list(spec.lora.target_modules), task_type="CAUSAL_LM",
-    )
+    if not isinstance(spec.lora.target_modules, str):  # all-linear is PEFT's to resolve
+        check_target_modules(model, list(spec.lora.target_modules))
+    if spec.lora.modules_to_save:
+        check_modules_to_save(model, list(spec.lora.modules_to_save))
+    lora = peft_config(spec)
     with torch.random.fork_rng(devices=[]):
         # LoRA A matrices are random: seed them so every rank and every restart
         # starts from the same adapter (the checkpoint overwrites them on resume).
         torch.manual_seed(spec.seed + 1)
-        return get_peft_model(model, lora)
+        model = get_peft_model(model, lora)
+    if not spec.quantization.load_in_4bit:
+        return model  # precision.apply decides (a legacy model.dtype casts the adapters too)
+    # On a 4-bit base PEFT may give adapters the compute dtype: they train in float32, as for LoRA.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+    return model
 
 
 def build(spec: JobSpec, inputs: InputSource | None = None, device: torch.device | None = None):
@@ -193,7 +278,7 @@ def build(spec: JobSpec, inputs: InputSource | None = None, device: torch.device
             return build(spec, own, device)
     cfg = inputs.model(spec.model)
     tokenizer = build_tokenizer(cfg)
-    base = build_base(cfg, tokenizer, spec.seed, spec.precision, device)
+    base = build_base(cfg, tokenizer, spec.seed, spec.precision, device, spec.quantization)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(base)
     model = apply_lora(base, spec)
@@ -245,3 +330,6 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
+
+
+

@@ -16,11 +16,14 @@ from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.reader import Skipped
 from elastic_ft.train.scaling import BatchPlan, rescale_event
 
-_SHAPING = {"model": ("config",), "lora": ("r", "target_modules")}
+_SHAPING = {"model": ("config",), "lora": ("r", "target_modules", "use_dora", "modules_to_save")}
 """Spec fields that decide which tensors are trained and their shapes. Everything
 else (lr, steps, batch, data, ...) may change between restarts of a run.
 ``model.name_or_path`` is not here: the same model may have moved to another
 directory; a different one is caught by :func:`shape_mismatches`."""
+
+_ADDED = {"use_dora": False, "modules_to_save": None}
+"""Shaping fields added after runs were committed, at their default: what a checkpoint without them used."""
 
 
 def _describe(value) -> str:
@@ -53,8 +56,8 @@ def shape_conflicts(saved: dict, current: dict) -> list[str]:
             continue
         old, new = old or {}, new or {}
         for f in fields:
-            a, b = old.get(f), new.get(f)
-            if f == "target_modules" and isinstance(a, list) and isinstance(b, list):
+            a, b = old.get(f, _ADDED.get(f)), new.get(f, _ADDED.get(f))
+            if f in ("target_modules", "modules_to_save") and isinstance(a, list) and isinstance(b, list):
                 a, b = sorted(map(str, a)), sorted(map(str, b))
             _diff(f"{section}.{f}", a, b, out)
     return out

@@ -217,3 +217,23 @@ def test_cli_dryrun_plans_a_container_that_runs_no_probe(markers, tmp_path):
 
 def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("host,gpus,vcpus,mem_gib", [
+    ("aws_g5.xlarge", 1, 4, 16),  # torchx's A10G type
+    ("aws_g6.xlarge", 1, 4, 16),  # L4: elastic_ft.submission.host_types
+    ("aws_g6.12xlarge", 4, 48, 192),
+    ("aws_g6e.2xlarge", 1, 8, 64),  # L40S, the LoRA spec's pools
+])
+def test_24_and_48_gb_gpu_host_types_give_the_gpus_processes_and_memory(host, gpus, vcpus, mem_gib):
+    """``-h`` of a g5/g6/g6e type, as of p4d/p5: its GPUs become --gpu's and --nproc_per_node's default and the
+    job definition's resources (memory less the 4% Batch keeps, as torchx's types), for the Q-LoRA spec."""
+    spec = str(__import__("pathlib").Path(__file__).parents[2] / "specs" / "llama-3.1-8b-qlora-spot.yaml")
+    request = dryrun(train_args(h=host, nproc_per_node=None, spec=spec, overrides=())).request
+    container = request.job_definition["containerProperties"]
+    assert container["resourceRequirements"] == [
+        {"type": "VCPU", "value": str(vcpus)}, {"type": "MEMORY", "value": str(mem_gib * int(1024 * 0.96))},
+        {"type": "GPU", "value": str(gpus)},
+    ]
+    assert f"--nproc_per_node {gpus} " in container["command"][2]
+    assert container["linuxParameters"]["devices"] == []  # no EFA unless --efa says so

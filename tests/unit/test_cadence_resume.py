@@ -140,3 +140,15 @@ def test_a_moved_model_directory_is_not_a_conflict_but_other_shapes_are_named():
     now = {"l.lora_A.weight": (8, 128), "l.lora_B.weight": (64, 8), "new": (1,)}
     assert shape_mismatches(saved, now) == ["l.lora_A.weight is [8, 64] in the checkpoint but [8, 128] now"]
     assert shape_mismatches(saved, saved) == []
+
+
+def test_dora_and_modules_to_save_are_named_and_an_older_checkpoint_without_them_still_loads():
+    saved = _spec_doc()
+    assert shape_conflicts(saved, _spec_doc(**{"lora.use_dora": True, "lora.modules_to_save": ["lm_head"]})) == [
+        "lora.use_dora is False in the checkpoint but True now",
+        "lora.modules_to_save is unset in the checkpoint but ['lm_head'] now",
+    ]
+    older = _spec_doc()
+    for added in ("use_dora", "use_rslora", "modules_to_save", "init_lora_weights"):
+        older["lora"].pop(added)
+    assert shape_conflicts(older, _spec_doc()) == []

@@ -1,0 +1,201 @@
+"""Q-LoRA's 4-bit base (``quantization.load_in_4bit``) and the spec rules around it, in this process.
+
+What it proves: the frozen base is bitsandbytes' ``Linear4bit`` and its decoder weights take about a quarter
+of their bfloat16 bytes (measured on the tensors); quantization is deterministic across processes (the same
+bytes in two fresh interpreters with different thread counts as here); adapters and optimizer state are
+float32 and a checkpoint holds them only; bad combinations are one line naming the field. Training through
+the real trainer, its loss falling, is here too (one rank); killed and resumed at another world size is
+tests/e2e/test_qlora_resume.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from elastic_ft.config import ConfigError, load_spec
+from elastic_ft.config import validation
+from elastic_ft.train import model as model_mod
+from elastic_ft.train import quantization
+from tests.conftest import DEFAULT_SPEC, REPO
+from tests.unit.inprocess import train
+
+Q4 = ["quantization.load_in_4bit=true"]
+
+
+def problems(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        load_spec(DEFAULT_SPEC, list(overrides))
+    return dict(info.value.problems)
+
+
+def state_digest(model) -> str:
+    """sha256 of the model's state dict (4-bit weights serialised with their quantization state)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+DIGEST_SCRIPT = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+from elastic_ft.config import load_spec
+from elastic_ft.train import model as model_mod
+from elastic_ft.train import quantization
+from tests.unit.test_qlora import state_digest
+spec = load_spec(sys.argv[2], ["quantization.load_in_4bit=true"])
+tok = model_mod.build_tokenizer(spec.model)
+base = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+print("DIGEST", state_digest(base))
+"""
+
+
+def test_bad_combinations_name_the_field():
+    assert problems(*Q4, "lora=null")["quantization.load_in_4bit"].startswith("needs a lora section")
+    assert "fsdp cannot shard a 4-bit base" in problems(*Q4, "parallelism.strategy=fsdp")["parallelism.strategy"]
+    assert "quantization.load_in_4bit" in problems(*Q4, "model.dtype=bfloat16")["model.dtype"]
+    assert problems(*Q4, "quantization.quant_type=int4") == {
+        "quantization.quant_type": "'int4' is not one of 'nf4', 'fp4'"}
+    assert problems(*Q4, "quantization.compute_dtype=float64")["quantization.compute_dtype"].startswith("'float64'")
+    assert "even lora.r" in problems("lora.init_lora_weights=orthogonal", "lora.r=3")["lora.init_lora_weights"]
+    assert "4-bit base" in problems(*Q4, "lora.init_lora_weights=orthogonal")["lora.init_lora_weights"]
+    assert problems("lora.target_modules=q_proj") == {
+        "lora.target_modules": "must be a list of str or 'all-linear', got 'q_proj'"}
+
+
+def test_load_in_4bit_without_bitsandbytes_names_the_field_and_the_extra(monkeypatch):
+    real = validation.importlib.util.find_spec
+    monkeypatch.setattr(validation.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    message = problems(*Q4)["quantization.load_in_4bit"]
+    assert message == "needs the bitsandbytes package, which is not installed: pip install 'elastic-ft[qlora]'"
+    load_spec(DEFAULT_SPEC)  # nothing asks for it without load_in_4bit
+
+
+def test_float16_frozen_weights_beside_a_4bit_base_are_refused():
+    """Measured before refusing: the forward pass fails under bfloat16 autocast (float16 activations)."""
+    message = problems(*Q4, "precision.param_dtype=float16", "precision.compute=bfloat16")["precision.param_dtype"]
+    assert "float16 does not train with a 4-bit base" in message
+    load_spec(DEFAULT_SPEC, [*Q4, "precision.param_dtype=bfloat16", "precision.compute=bfloat16"])
+
+
+def test_hash_is_unchanged_by_the_new_sections_at_their_defaults_and_changed_by_4bit():
+    plain = load_spec(DEFAULT_SPEC)
+    doc = plain.to_dict()
+    assert doc["quantization"]["load_in_4bit"] is False and doc["lora"]["use_dora"] is False
+    # The hash of a spec from before these fields existed (runs already committed keep resuming).
+    for added in ("use_dora", "use_rslora", "modules_to_save", "init_lora_weights"):
+        doc["lora"].pop(added)
+    doc.pop("quantization")
+    from elastic_ft.config import spec_from_dict
+
+    assert spec_from_dict(doc, check_files=False).hash() == plain.hash()
+    assert load_spec(DEFAULT_SPEC, Q4).hash() != plain.hash()
+    assert load_spec(DEFAULT_SPEC, ["lora.use_dora=true"]).hash() != plain.hash()
+
+
+@pytest.mark.slow  # two ~2M-parameter bases
+def test_the_base_is_4bit_and_its_decoder_weights_take_a_quarter_of_bfloat16():
+    # Wider than the tiny model, so that the per-layer constants (the 1 KB code table) do not dominate.
+    wide = ["model.config.hidden_size=256", "model.config.intermediate_size=1024"]
+    spec = load_spec(DEFAULT_SPEC, [*Q4, *wide, "precision.param_dtype=bfloat16", "precision.compute=bfloat16"])
+    tok = model_mod.build_tokenizer(spec.model)
+    q = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    bf16 = model_mod.build_base_model(spec.model, tok, spec.seed, torch.bfloat16)
+    linears = [n for n, m in q.named_modules() if quantization.is_4bit(m)]
+    assert len(linears) == 7 * 2 and all(".layers." in n for n in linears)  # every decoder Linear, not lm_head
+    assert type(q.get_output_embeddings()).__name__ == "Linear"
+    layers_q = quantization.weight_bytes(q.model.layers)
+    layers_bf16 = quantization.weight_bytes(bf16.model.layers)
+    ratio = layers_q / layers_bf16
+    # nf4: 0.5 byte a weight, plus 8-bit scales per 64 weights (double quant) and small tables: 0.26 here.
+    assert 0.24 < ratio < 0.30, (layers_q, layers_bf16)
+    whole = quantization.weight_bytes(q) / quantization.weight_bytes(bf16)
+    print(f"decoder layers: {layers_q} B 4-bit vs {layers_bf16} B bfloat16 ({ratio:.3f}); whole base {whole:.3f}")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_quantization_gives_the_same_bytes_in_every_process():
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    here = state_digest(model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization))
+    env = {**os.environ, "PYTHONPATH": REPO}
+    digests = []
+    for threads in (1, 2):
+        proc = subprocess.run([sys.executable, "-c", DIGEST_SCRIPT, str(threads), DEFAULT_SPEC], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests += [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("DIGEST ")]
+    assert digests == [here, here]
+    other = load_spec(DEFAULT_SPEC, [*Q4, "seed=1"])
+    base = model_mod.build_base(other.model, tok, other.seed, other.precision, None, other.quantization)
+    assert state_digest(base) != here  # the digest sees the weights
+
+
+@pytest.mark.slow
+def test_qlora_trains_its_adapters_in_float32_and_checkpoints_only_them(tmp_path):
+    from elastic_ft.checkpoint.reader import load_newest
+    from elastic_ft.checkpoint.store import open_store
+
+    run = train(tmp_path, "q", *Q4, "steps=6")
+    assert run.losses[-1] < run.losses[0] - 0.5, run.losses
+    store = open_store(f"file://{tmp_path}/q")
+    loaded, _ = load_newest(store, "q")
+    weights, optim = loaded.tensors["model"], loaded.tensors["optimizer"]
+    assert weights and all(".lora_A." in n or ".lora_B." in n for n in weights)
+    assert all(t.dtype == torch.float32 for t in [*weights.values(), *optim.values()] if t.is_floating_point())
+    adapter_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert sum(t.numel() * t.element_size() for t in optim.values()) <= 2 * adapter_bytes + 8 * len(weights)
+    assert not any(n.endswith(("absmax", "quant_map")) or "quant_state" in n for n in [*weights, *optim])
+    assert sum(quantization.is_4bit(m) for m in run.trainer.model.modules()) == 14  # trained on the 4-bit base
+
+
+def test_the_8b_qlora_spec_loads_and_validates_without_a_download():
+    spec = load_spec(f"{REPO}/specs/llama-3.1-8b-qlora-spot.yaml")
+    assert spec.quantization.load_in_4bit and spec.quantization.quant_type == "nf4"
+    assert spec.lora.target_modules == "all-linear" and spec.parallelism.strategy == "ddp"
+    assert spec.model.name_or_path.startswith("s3://")  # fetched by each node, not here
+
+
+def test_a_pretrained_directory_loads_4bit_with_the_bytes_of_the_inline_base(tmp_path):
+    """A saved (pretrained) base goes through the same quantization as an inline one: the same bytes."""
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    model_mod.build_base_model(spec.model, tok, spec.seed, torch.float32).save_pretrained(str(tmp_path / "base"))
+    tok.save_pretrained(str(tmp_path / "base"))
+    saved = load_spec(DEFAULT_SPEC, [*Q4, "model.config=null", f"model.name_or_path={tmp_path / 'base'}"])
+    _tok, model = model_mod.build(saved)
+    assert sum(quantization.is_4bit(m) for m in model.modules()) == 14
+    inline = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    assert quantized_digest(model) == quantized_digest(inline)
+
+
+def quantized_digest(model) -> str:
+    """sha256 of the 4-bit weights and their scales only, by module name (PEFT's wrapper names stripped)."""
+    h = hashlib.sha256()
+    modules = {n.replace(".base_layer", "").replace("base_model.model.", ""): m for n, m in model.named_modules()
+               if quantization.is_4bit(m)}
+    for name, m in sorted(modules.items()):
+        state = m.weight.quant_state
+        for t in (m.weight.data, state.absmax, state.state2.absmax if state.nested else None):
+            if t is not None:
+                h.update(name.encode())
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_bfloat16_dequantization_on_a_gpu_without_it_names_the_field():
+    q = load_spec(DEFAULT_SPEC, Q4).quantization
+    assert quantization.device_problem(q, "cuda", bf16_supported=False) == (
+        "quantization.compute_dtype", "bfloat16 is not supported by this cuda device; use float16 (or float32)")
+    assert quantization.device_problem(q, "cuda", bf16_supported=True) is None
+    fp16 = load_spec(DEFAULT_SPEC, [*Q4, "quantization.compute_dtype=float16"]).quantization
+    assert quantization.device_problem(fp16, "cuda", bf16_supported=False) is None
