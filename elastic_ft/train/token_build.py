@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import os
-import shutil
 import time
 import uuid
 
@@ -60,8 +58,8 @@ from elastic_ft.config import DataConfig
 from elastic_ft.train.datafiles import DataError, check_files
 from elastic_ft.train.faults import Injector
 from elastic_ft.train.token_files import (
-    StoreTorn, assemble, blob_name, local_reader, localize, locked, mark_verified, replace_dir, store_reader,
-    upload_files,
+    StoreTorn, assemble, blob_name, local_reader, localize, locked, mark_verified, replace_dir, scratch,
+    store_reader, sweep_scratch, upload_files,
 )
 from elastic_ft.train.token_identity import FileDigests, data_format, identity, token_settings, tokenizer_fingerprint
 from elastic_ft.train.token_records import PART_FILES, Records, load_dataset, share, tokenize_share
@@ -141,11 +139,11 @@ def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str
     writer = CheckpointWriter(sub, run_id)
     # One name for the build's parts, the leader's: a failed build's parts are found under it.
     nonce = broadcast_from_leader(world, uuid.uuid4().hex[:12])
-    work = os.path.join(node_root, f".build-{nonce}-{world.rank}")
     vocab = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
     dtype = token_dtype(vocab)
     faults = Injector.from_env()
-    try:
+    sweep_scratch(node_root)  # what the ranks of a lost build left on this node
+    with scratch(node_root, f".build-{nonce}-{world.rank}") as work:
         def tokenize():
             records = Records(cfg, fmt)
             lo, hi = share(records.count, world.rank, world.size)
@@ -158,8 +156,6 @@ def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str
         parts = _together(world, "build (tokenizing the shares)", tokenize)
         return _together(world, "build (assembling and committing)", lambda: _assemble_and_commit(
             world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults), leader_only=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _assemble_and_commit(world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults):

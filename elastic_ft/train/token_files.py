@@ -186,6 +186,54 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
 # ---------------------------------------------------------------- the node copy
 
 
+SCRATCH = (".build-", ".fetch-")
+"""Name prefixes of the node cache's work directories (a build's parts and store, a fetch in progress)."""
+
+
+@contextlib.contextmanager
+def scratch(node_root: str, name: str) -> Iterator[str]:
+    """A work directory ``<node_root>/<name>`` (``name`` starts with one of :data:`SCRATCH`), held under a
+    file lock while in use and removed after. A process killed while it holds one (a rank lost mid-build)
+    leaves it behind; :func:`sweep_scratch` removes it once its lock is free."""
+    path = os.path.join(node_root, name)
+    with locked(path + ".lock"):
+        try:
+            os.makedirs(path, exist_ok=True)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".lock")
+
+
+def sweep_scratch(node_root: str) -> int:
+    """Remove the work directories of the node cache that no live process holds (their lock is free: the
+    kernel releases a dead process's); how many. Cost: one listing of the node cache's store directory."""
+    try:
+        names = [n for n in os.listdir(node_root) if n.startswith(SCRATCH) and not n.endswith(".lock")]
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(node_root, name)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use by a live build or fetch
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".lock")
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("token store: removed %d work directorie(s) that lost builds or fetches left in %s", removed,
+                 node_root)
+    return removed
+
+
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -241,9 +289,8 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
                 mark_verified(final, manifest)
                 return final
             log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
-        tmp = os.path.join(node_root, f".fetch-{uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp)
-        try:
+        sweep_scratch(node_root)
+        with scratch(node_root, f".fetch-{uuid.uuid4().hex[:12]}") as tmp:
             for name, refs in pieces.items():
                 with open(os.path.join(tmp, name), "wb") as f:
                     for ref in refs:
@@ -255,8 +302,6 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
                     f.flush()
                     os.fsync(f.fileno())
             replace_dir(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         mark_verified(final, manifest)
         return final
 
@@ -269,5 +314,5 @@ def replace_dir(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-__all__ = ["PIECE_BYTES", "StoreTorn", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
+__all__ = ["PIECE_BYTES", "SCRATCH", "StoreTorn", "scratch", "sweep_scratch", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
            "replace_dir", "store_reader", "upload_files", "verify_file"]
