@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -246,15 +247,27 @@ def locked(path: str) -> Iterator[None]:
 
 
 def _stamp(directory: str) -> dict[str, list[int]]:
+    """Per store file: size, mtime, ctime, inode and device. ctime is the kernel's: no process can set it
+    (``utime`` sets mtime and moves ctime to now), so a file written in place and its mtime put back still
+    shows a new stamp."""
     out = {}
     for name in FILES:
         st = os.stat(os.path.join(directory, name))
-        out[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     return out
 
 
-def mark_verified(directory: str, manifest) -> None:
-    doc = {"writer": manifest.writer, "created": manifest.created, "files": _stamp(directory)}
+def _manifest_digest(manifest) -> str:
+    """sha256 of what the manifest says the files hold (each blob's name, size and digest)."""
+    doc = sorted((name, ref.size, ref.sha256) for name, ref in manifest.blobs.items())
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def mark_verified(directory: str, manifest, stamp: dict | None = None) -> None:
+    """Record that ``directory``'s files are ``manifest``'s bytes, as they are now (or as ``stamp``, taken
+    before they were hashed)."""
+    doc = {"writer": manifest.writer, "created": manifest.created, "manifest": _manifest_digest(manifest),
+           "files": stamp or _stamp(directory)}
     tmp = os.path.join(directory, f".verified.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f)
@@ -265,8 +278,8 @@ def _marked(directory: str, manifest) -> bool:
     try:
         with open(os.path.join(directory, "verified.json"), encoding="utf-8") as f:
             doc = json.load(f)
-        return (doc.get("writer"), doc.get("created")) == (manifest.writer, manifest.created) and \
-            doc.get("files") == _stamp(directory)
+        return (doc.get("writer"), doc.get("created"), doc.get("manifest")) == \
+            (manifest.writer, manifest.created, _manifest_digest(manifest)) and doc.get("files") == _stamp(directory)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -284,9 +297,10 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
         if os.path.isdir(final):
             if _marked(final, manifest):
                 return final
+            before = _stamp(final)
             problems = [p for name, refs in pieces.items() if (p := verify_file(os.path.join(final, name), refs))]
-            if not problems:
-                mark_verified(final, manifest)
+            if not problems and _stamp(final) == before:  # recorded as hashed: a write meanwhile is not trusted
+                mark_verified(final, manifest, before)
                 return final
             log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
         sweep_scratch(node_root)

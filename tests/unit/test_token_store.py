@@ -211,3 +211,27 @@ def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
     # Rank 0 is dealt samples 0, 1, 2 (micro-batches [0, 1] and [2]), rank 1 sample 3: 5, 12, 22, 47 tokens.
     plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
     assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 16 + 24 + 48}
+
+
+def test_a_node_copy_altered_in_place_with_its_mtime_put_back_is_fetched_again_not_used(cache, tmp_path):
+    """The node copy is trusted by its files' stat stamp once verified; a write that keeps the size and puts
+    the mtime back (a tool restoring timestamps, a copy with ``cp -p`` over it) moves the kernel's ctime,
+    so the copy is hashed again and fetched, never mapped as it is."""
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    expected = np.array(good.tokens)
+    copy = cache / "tokens" / built.identity / "tokens.bin"
+    st = os.stat(copy)
+    with open(copy, "r+b") as f:  # in place: same inode, same size
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(copy).st_size, os.stat(copy).st_mtime_ns, os.stat(copy).st_ino) == \
+        (st.st_size, st.st_mtime_ns, st.st_ino)
+    store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    assert not again.built
+    assert np.array_equal(np.array(store.tokens), expected)
