@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -62,7 +63,7 @@ from elastic_ft.train.token_files import (
     store_reader, sweep_scratch, upload_files,
 )
 from elastic_ft.train.token_identity import FileDigests, data_format, identity, token_settings, tokenizer_fingerprint
-from elastic_ft.train.token_records import PART_FILES, Records, load_dataset, share, tokenize_share
+from elastic_ft.train.token_records import PART_FILES, Records, dataset_files, load_dataset, share, tokenize_share
 from elastic_ft.train.token_store import FILES, TokenStore, token_dtype
 from elastic_ft.train.world import RunAborted, World, broadcast_from_leader, gather_from_all
 
@@ -221,10 +222,13 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     fmt = data_format(cfg)
 
     def name() -> str:
-        extra = ""
-        if cfg.dataset:
-            extra = getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
         digests = FileDigests(os.path.join(node_root, "files.json"))
+        extra = ""
+        local = dataset_files(cfg)
+        if local:  # a local dataset directory: named by its files' contents (each hashed once per node)
+            extra = json.dumps([[os.path.relpath(p, cfg.dataset), digests.digest(p)] for p in local])
+        elif cfg.dataset:  # a hub dataset: the fingerprint `datasets` gives what it loaded
+            extra = getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
         return identity(token_settings(cfg, fmt), [digests.digest(p) for p in cfg.files],
                         tokenizer_fingerprint(tokenizer), extra)
 

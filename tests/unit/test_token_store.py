@@ -4,6 +4,7 @@ a restart reads no data file, and a micro-batch is padded to its own longest sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -235,3 +236,55 @@ def test_a_node_copy_altered_in_place_with_its_mtime_put_back_is_fetched_again_n
     store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
     assert not again.built
     assert np.array_equal(np.array(store.tokens), expected)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "text", "saved-dataset", "saved-dataset-dict"])
+def test_other_input_formats_go_through_the_same_store(cache, tmp_path, kind):
+    """parquet and text files, and a ``data.dataset`` that is a local directory written by ``save_to_disk``
+    (no hub download: a Dataset, or a DatasetDict whose ``data.split`` is taken), give the samples their
+    records are, token for token."""
+    import datasets
+
+    rows = varied_rows(30, seed=3)
+    fields = dict(prompt_field="q", response_field="a", max_length=24)
+    expected = columns(rows, ["q", "a"])
+    if kind == "parquet":
+        path = str(tmp_path / "d.parquet")
+        datasets.Dataset.from_list(rows).to_parquet(path)
+        cfg = DataConfig(files=[path], **fields)
+    elif kind == "text":
+        lines = [r["q"] + r["a"] for r in rows]
+        path = tmp_path / "d.txt"
+        path.write_text("".join(line + "\n" for line in lines))
+        cfg = DataConfig(files=[str(path)], max_length=24)
+        expected = {"text": lines}
+    elif kind == "saved-dataset":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+        cfg = DataConfig(dataset=str(tmp_path / "saved"), **fields)
+    else:
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(varied_rows(5)),
+                              "validation": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+        cfg = DataConfig(dataset=str(tmp_path / "saved"), split="validation", **fields)
+    tok = byte_tokenizer()
+    store, built = data_mod.load_with_report(cfg, tok)
+    assert built.built
+    assert_same_samples(store, old_tokenize(expected, cfg, tok))
+    assert not data_mod.load_with_report(cfg, tok)[1].built  # the same input: the same store, not rebuilt
+
+
+def test_a_saved_dataset_directory_names_its_store_by_its_contents(cache, tmp_path):
+    import datasets
+
+    saved = str(tmp_path / "saved")
+    cfg = DataConfig(dataset=saved, prompt_field="q", response_field="a", max_length=24)
+    tok = byte_tokenizer()
+    datasets.Dataset.from_list(varied_rows(10, seed=1)).save_to_disk(saved)
+    first = data_mod.load_with_report(cfg, tok)[1].identity
+    datasets.Dataset.from_list(varied_rows(10, seed=2)).save_to_disk(saved + ".new")
+    os.rename(saved, saved + ".old")
+    os.rename(saved + ".new", saved)
+    assert data_mod.load_with_report(cfg, tok)[1].identity != first
+    missing = DataConfig(dataset=saved, split="test", prompt_field="q", response_field="a", max_length=24)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(varied_rows(3))}).save_to_disk(saved + ".dict")
+    with pytest.raises(data_mod.DataError, match=r"^data.dataset .* has splits \['train'\]; set data.split"):
+        data_mod.load(dataclasses.replace(missing, dataset=saved + ".dict"), tok)
