@@ -4,7 +4,9 @@ Generates a synthetic JSON Lines dataset of prompt/response pairs (default 100,0
 20-200 words, responses of 50-300) and, with ``data.max_length`` 2048 and the tiny spec's byte tokenizer,
 measures in one run and prints as a table:
 
-- building the token store: one process, and all ranks of a 2-rank torchrun world (gloo);
+- building the token store: one process, and all ranks of a 2-rank torchrun world (gloo); against
+  Hugging Face ``datasets`` (``load_dataset`` to Arrow, then ``map`` with ``num_proc=2`` to Arrow cache
+  files, the same tokenization), and a restart from that cache;
 - a restart: wall time from process start to the first micro-batch, and the process's maximum RSS
   (``resource.getrusage``), for the store (committed, on the node) and for the old path (every process
   tokenizing every sample into ``(n, max_length)`` int64 tensors; at ``--old-samples`` samples, default
@@ -91,7 +93,41 @@ def child(args) -> None:
         _ = {k: v[idx] for k, v in data.items()}  # the first micro-batch
         print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "samples": len(rows)}), flush=True)
         return
+    if args.child in ("datasets-map", "datasets-restart"):
+        print(json.dumps(_datasets_map(args)), flush=True)
+        return
     print(json.dumps(_load(args, None)), flush=True)
+
+
+def _datasets_map(args) -> dict:
+    """The Hugging Face way: JSON Lines to Arrow (``load_dataset``), then ``map`` with ``num_proc=2`` to Arrow
+    cache files holding each sample's ids and its untrained prefix (the same :func:`encode` as the store's
+    build, so the tokenizer work is the same), then the first micro-batch read from the mapped table. Run
+    again on the same cache (``datasets-restart``), both steps are cache hits: a restart's cost."""
+    import datasets
+
+    from elastic_ft.train.model import byte_tokenizer
+    from elastic_ft.train.token_records import encode
+
+    datasets.disable_progress_bars()
+    cfg = config(args.data, args.max_length)
+    tok = byte_tokenizer()
+    t0 = time.monotonic()
+    raw = datasets.load_dataset("json", data_files=[args.data], split="train", cache_dir=args.run_store)
+    t_arrow = time.monotonic() - t0
+
+    def tokenize(batch, indices):
+        samples, untrained = encode(batch, indices[0], cfg, tok)
+        return {"input_ids": samples, "untrained": untrained}
+
+    mapped = raw.map(tokenize, batched=True, batch_size=1024, with_indices=True, num_proc=2,
+                     remove_columns=raw.column_names)
+    t_map = time.monotonic() - t0 - t_arrow
+    first = mapped[:8]  # the first micro-batch's rows, as Python lists
+    assert len(first["input_ids"]) == min(8, len(mapped))
+    cache_mb = sum(os.path.getsize(f["filename"]) for f in mapped.cache_files) / 2**20
+    return {"seconds": time.time() - float(args.t0), "load_s": time.monotonic() - t0, "arrow_s": t_arrow,
+            "map_s": t_map, "rss_mb": max_rss_mb(), "samples": len(mapped), "cache_mb": cache_mb}
 
 
 def _load(args, world) -> dict:
@@ -147,6 +183,10 @@ def padding_ratio(directory: str, micro_batch: int, seed: int) -> tuple[float, f
     return per_micro / real, n * store.max_length / real
 
 
+def store_mb(directory: str) -> float:
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)) / 2**20
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -199,6 +239,12 @@ def main(argv=None) -> None:
     spawn("load", DEMO, dcache, dstore, 48)
     d = spawn("load", DEMO, dcache, dstore, 48)
     rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"]))
+    hf_cache = os.path.join(work, "hf-datasets")
+    shutil.rmtree(hf_cache, ignore_errors=True)
+    m = spawn("datasets-map", data, cache, hf_cache, args.max_length)
+    rows.append(("build, datasets.map num_proc=2 (Arrow)", args.samples, m["load_s"], m["rss_mb"]))
+    mr = spawn("datasets-restart", data, cache, hf_cache, args.max_length)
+    rows.append(("restart, datasets cache (to first batch)", args.samples, mr["seconds"], mr["rss_mb"]))
     o = spawn("old", old_data, cache, store, args.max_length)
     rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"]))
     od = spawn("old", DEMO, cache, store, 48)
@@ -212,6 +258,9 @@ def main(argv=None) -> None:
     print(f"\ntokens computed per real token (micro-batch {args.micro_batch}, shuffled order):")
     print(f"  padded per micro-batch (to its longest, multiple of 8): {per_micro:.3f}")
     print(f"  padded to max_length (the old path):                    {to_max:.3f}")
+    print(f"\ndatasets.map: JSON to Arrow {m['arrow_s']:.1f} s, map {m['map_s']:.1f} s, Arrow cache files "
+          f"{m['cache_mb']:.0f} MiB (on restart: Arrow {mr['arrow_s']:.1f} s, map {mr['map_s']:.1f} s); "
+          f"the token store's files: {store_mb(b1['directory']):.0f} MiB")
     print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
 
 

@@ -145,6 +145,21 @@ def dataset_files(cfg: DataConfig) -> list[str]:
 # ---------------------------------------------------------------- tokenizing a share
 
 
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text without special tokens, as ``tokenizer(texts, add_special_tokens=False)`` gives.
+
+    A fast tokenizer's Rust backend is called directly, with ``encode_batch_fast`` (no character offsets
+    tracked, no conversion of each encoding into a dict of Python lists): about half of the build's time
+    goes to that otherwise. Only where that call means the same as transformers' (no truncation or padding
+    set on the backend; transformers turns them off for this call); anything else goes through transformers.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None \
+            and hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
 def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> tuple[list[list[int]], list[int]]:
     """The token ids of each record and how many of its leading tokens are not trained.
 
@@ -158,7 +173,7 @@ def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> 
             if not isinstance(text, str):
                 raise DataError(f"data record {first + k + 1}: field {field!r} is {kind_of(text)}, not text; "
                                 f"fix or remove that record")
-        return tokenizer(values, add_special_tokens=False)["input_ids"]
+        return token_ids(tokenizer, values)
 
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     prefix = [bos] if bos is not None else []
@@ -207,4 +222,4 @@ def share(count: int, rank: int, size: int) -> tuple[int, int]:
     return count * rank // size, count * (rank + 1) // size
 
 
-__all__ = ["PART_FILES", "RECORD_BATCH", "Records", "dataset_files", "encode", "load_dataset", "share", "tokenize_share"]
+__all__ = ["PART_FILES", "RECORD_BATCH", "Records", "dataset_files", "encode", "load_dataset", "token_ids", "share", "tokenize_share"]
