@@ -52,9 +52,8 @@ def parse(text: str) -> list[Fault]:
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
         if action == "kill_build":
-            point = fields.pop("point", "share")
-            if set(fields) - {"rank", "restart"} or len(fields) + ("point" in rest) != len(pairs) \
-                    or point not in BUILD_POINTS:
+            if set(fields) - {"rank", "restart", "point"} or len(fields) != len(pairs) \
+                    or fields.get("point", "share") not in BUILD_POINTS:
                 raise ValueError(f"{ENV}: {item!r} accepts only rank, restart and point={'|'.join(BUILD_POINTS)}")
         unknown = set(fields) - {"rank", "step", "restart"}
         if action not in ("fail_load", "kill_build") and (unknown or "step" not in fields or len(fields) != len(pairs)):
@@ -64,7 +63,7 @@ def parse(text: str) -> list[Fault]:
         try:
             get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
             faults.append(Fault(action, get("rank"), get("step"), get("restart"),
-                                point if action == "kill_build" else None))
+                                fields.get("point", "share") if action == "kill_build" else None))
         except ValueError as exc:
             raise ValueError(f"{ENV}: {item!r} has a value that is not an integer") from exc
     return faults

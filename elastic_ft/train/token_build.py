@@ -12,21 +12,54 @@ does, and every byte is checked against it when it lands on a node.
 
 :func:`ensure` is called by every rank at every start:
 
-1. Every rank computes the identity. A data file's digest is read from the
+1. Every rank computes the identity (and all must agree: a node that sees other
+   data stops the world with one line). A data file's digest is read from the
    node's record of (path, size, mtime, inode) -> sha256, so a restart reads no
-   data file; a file whose stat changed is hashed again.
+   data file; a file whose stat changed is hashed again. A ``data.dataset`` that
+   is a local directory is named by its files' contents the same way; a hub
+   dataset by the fingerprint ``datasets`` gives it.
 2. The leader reads the manifest and tells the others. None: the world builds
    it. Each rank tokenizes a contiguous share of the records, streamed (no rank
    holds more than a batch of records as Python objects), into part files; the
    other ranks upload theirs; the leader concatenates the parts in rank order
    into the final files (byte-identical whatever the world's size), uploads
-   them and commits the manifest, then deletes the parts.
+   them and commits the manifest, then deletes every part and blob under the
+   identity that the manifest does not name (:func:`_remove_orphans`).
 3. Each node maps its copy under ``<node cache>/tokens/<identity>/``: fetched
    piece by piece (memory: one piece) and verified, once; a later start on the
-   node trusts the copy while its files keep the size, mtime and inode they had
-   when they were verified. A blob of the run's store whose bytes do not match
+   node trusts the copy while its files keep the stat stamp they had when they
+   were hashed (below). A blob of the run's store whose bytes do not match
    its manifest (torn, altered) is never used: the manifest is retired to
    ``quarantine/`` and the store is built again.
+
+Failures. Every step that a rank may fail alone (reading the manifest,
+tokenizing, uploading a part, assembling and committing, copying to the node)
+ends in one exchange where each rank reports how it went (:func:`_together`):
+the rank that failed raises its own error, every other rank
+:class:`~elastic_ft.train.world.RunAborted` naming that rank and its error in
+one line. No rank waits in a later collective for one that gave up. A rank
+that dies instead (a lost machine, SIGKILL) is waited for at most the process
+group's collective timeout, and torchrun or the rendezvous restarts the world
+first. Nothing is used before its manifest: a rank maps only a committed
+store, and the leader's node gets the assembled files only once the manifest
+is written. The next world finds no manifest and builds the store again from
+the start (a share depends on the world's size, so a lost world's parts are
+not resumed: a build is one tokenization pass, short next to the restarts it
+saves); its commit removes what the lost world uploaded, and each node's
+lost work directories are swept once no live process holds their lock
+(:func:`~elastic_ft.train.token_files.sweep_scratch`).
+
+Trusting the node copy by its stat. The stamp is each file's size, mtime,
+ctime, inode and device, plus the digest of the manifest it was checked
+against, taken before the files were hashed. Any write through the file
+system moves mtime and ctime; putting mtime back (``touch -d``, ``cp -p``,
+``utime``) moves ctime, which no process can set; a replaced file has another
+inode. So a copy changed by anything on the node is hashed again before use.
+What a stamp cannot see is corruption below the file system (a failing disk's
+silent bit flips): that keeps every stamp, and catching it would mean hashing
+the whole store at each start, a cost that grows with the dataset at every
+restart. Checksumming file systems, or the ECC of the disk, are that layer's
+guard; a copy is also hashed again whenever the manifest changes.
 
 Cost: a start with a committed store and a node copy: one manifest read and a
 few stats, nothing that grows with the dataset. A node without a copy: one
@@ -34,9 +67,7 @@ download of the store (about 3 bytes per token), hashed once. A build: one
 tokenization pass over the data, shared by the ranks, plus each part's upload
 and the leader's concatenation (one pass over the tokens).
 
-Not handled yet: a rank lost while building leaves the others waiting in the
-next collective until it times out; the next world finds no manifest and builds
-again from the start (the lost world's part blobs stay under ``parts/``).
+BUILD_CHOICE
 """
 
 from __future__ import annotations

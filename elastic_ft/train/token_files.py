@@ -5,8 +5,11 @@
 cuts a file into blobs of at most :data:`PIECE_BYTES`; :func:`localize` gives a
 node its copy of a committed store under ``<node cache>/tokens/<identity>/``:
 fetched a piece at a time and checked against the manifest once, then trusted
-while its files keep the size, mtime and inode recorded when it was checked
-(``verified.json``). Several ranks of a node share a copy under a file lock.
+while its files keep the size, mtime, ctime, inode and device recorded before
+they were hashed, for the same manifest (``verified.json``; why that is sound,
+and what it cannot see: :mod:`elastic_ft.train.token_build`). Several ranks of
+a node share a copy under a file lock; work directories (:func:`scratch`) are
+locked while in use, so what a killed process left is found and removed.
 
 Cost: assembling, one pass over the tokens; a fetch, one download (memory:
 one piece); a start with a verified copy, a few stats.
