@@ -64,6 +64,13 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process and the children it reaped (``datasets``' map workers): on a host
+    shared with other work, the figure that does not depend on how busy the host is."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 # ------------------------------------------------------------------ children (fresh interpreters)
 
 
@@ -91,7 +98,8 @@ def child(args) -> None:
         data = old_tokenize({f: [r[f] for r in rows] for f in ("prompt", "response")}, cfg, byte_tokenizer())
         idx = list(range(8))
         _ = {k: v[idx] for k, v in data.items()}  # the first micro-batch
-        print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "samples": len(rows)}), flush=True)
+        print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(),
+                          "samples": len(rows)}), flush=True)
         return
     if args.child in ("datasets-map", "datasets-restart"):
         print(json.dumps(_datasets_map(args)), flush=True)
@@ -127,7 +135,7 @@ def _datasets_map(args) -> dict:
     assert len(first["input_ids"]) == min(8, len(mapped))
     cache_mb = sum(os.path.getsize(f["filename"]) for f in mapped.cache_files) / 2**20
     return {"seconds": time.time() - float(args.t0), "load_s": time.monotonic() - t0, "arrow_s": t_arrow,
-            "map_s": t_map, "rss_mb": max_rss_mb(), "samples": len(mapped), "cache_mb": cache_mb}
+            "map_s": t_map, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(mapped), "cache_mb": cache_mb}
 
 
 def _load(args, world) -> dict:
@@ -141,7 +149,7 @@ def _load(args, world) -> dict:
     t_built = time.monotonic() - t0
     _ = store.batch(list(range(min(8, len(store)))))  # the first micro-batch
     return {"seconds": time.time() - float(args.t0), "load_s": t_built, "built": built.built,
-            "rss_mb": max_rss_mb(), "samples": len(store), "tokens": int(store.header.tokens),
+            "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(store), "tokens": int(store.header.tokens),
             "directory": store.directory}
 
 
@@ -228,33 +236,35 @@ def main(argv=None) -> None:
 
     cache, store = fresh("one")
     b1 = spawn("load", data, cache, store, args.max_length)
-    rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"]))
+    rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"], b1["cpu_s"]))
     cache2, store2 = fresh("two")
     b2 = spawn("build-rank", data, cache2, store2, args.max_length, ranks=2)
-    rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"]))
+    rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"], b2["cpu_s"]))
     r = spawn("load", data, cache, store, args.max_length)
     assert not r["built"], "the restart built the store again"
-    rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"]))
+    rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"], r["cpu_s"]))
     dcache, dstore = fresh("demo")
     spawn("load", DEMO, dcache, dstore, 48)
     d = spawn("load", DEMO, dcache, dstore, 48)
-    rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"]))
+    rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"], d["cpu_s"]))
     hf_cache = os.path.join(work, "hf-datasets")
     shutil.rmtree(hf_cache, ignore_errors=True)
     m = spawn("datasets-map", data, cache, hf_cache, args.max_length)
-    rows.append(("build, datasets.map num_proc=2 (Arrow)", args.samples, m["load_s"], m["rss_mb"]))
+    rows.append(("build, datasets.map num_proc=2 (Arrow)", args.samples, m["load_s"], m["rss_mb"], m["cpu_s"]))
     mr = spawn("datasets-restart", data, cache, hf_cache, args.max_length)
-    rows.append(("restart, datasets cache (to first batch)", args.samples, mr["seconds"], mr["rss_mb"]))
+    rows.append(("restart, datasets cache (to first batch)", args.samples, mr["seconds"], mr["rss_mb"], mr["cpu_s"]))
     o = spawn("old", old_data, cache, store, args.max_length)
-    rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"]))
+    rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"], o["cpu_s"]))
     od = spawn("old", DEMO, cache, store, 48)
-    rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"]))
+    rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"], od["cpu_s"]))
     per_micro, to_max = padding_ratio(b1["directory"], args.micro_batch, seed=1234)
 
     print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
-    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s}")
-    for name, n, s, rss in rows:
-        print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f}")
+    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s} {'CPU s':>8s}")
+    for name, n, s, rss, cpu in rows:
+        print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f} {cpu:>8.1f}")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end; the 2-rank build's CPU "
+          f"is its leader's)")
     print(f"\ntokens computed per real token (micro-batch {args.micro_batch}, shuffled order):")
     print(f"  padded per micro-batch (to its longest, multiple of 8): {per_micro:.3f}")
     print(f"  padded to max_length (the old path):                    {to_max:.3f}")

@@ -250,7 +250,7 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     is not committed yet). Called by every rank alike; ``cfg.files`` are local paths."""
     t0 = time.monotonic()
     node_root = os.path.join(node_cache, "tokens")
-    fmt = data_format(cfg)
+    fmt = _together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
 
     def name() -> str:
         digests = FileDigests(os.path.join(node_root, "files.json"))
