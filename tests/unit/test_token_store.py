@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -288,3 +289,41 @@ def test_a_saved_dataset_directory_names_its_store_by_its_contents(cache, tmp_pa
     datasets.DatasetDict({"train": datasets.Dataset.from_list(varied_rows(3))}).save_to_disk(saved + ".dict")
     with pytest.raises(data_mod.DataError, match=r"^data.dataset .* has splits \['train'\]; set data.split"):
         data_mod.load(dataclasses.replace(missing, dataset=saved + ".dict"), tok)
+
+
+def test_lost_builds_parts_go_only_with_a_commit_and_never_the_committed_blobs(cache, tmp_path, caplog):
+    """What builds that never committed left under a store's identity (parts, blobs no manifest names) is
+    deleted by the build that commits; a store that cannot list (a transient fault) costs a warning, not
+    the build, and deletes nothing; the committed store's blobs always stay."""
+    from elastic_ft.checkpoint.errors import StoreUnavailable
+
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    ident = data_mod.load_with_report(cfg, tok, store=LocalStore(str(tmp_path / "elsewhere")), run_id="r")[1].identity
+    lost = [f"tokens/{ident}/parts/0123456789ab/00001/tokens.bin/00000",
+            f"tokens/{ident}/blobs/000000000000-0badf00d/tokens.bin/00000"]
+
+    class CannotList(LocalStore):
+        def list(self, prefix=""):
+            raise StoreUnavailable("injected: listing timed out")
+
+    run = tmp_path / "runs" / "r"
+    for key in lost:
+        LocalStore(str(run)).put(key, b"lost")
+    store, built = data_mod.load_with_report(cfg, tok, store=CannotList(str(run)), run_id="r")
+    assert built.built and len(store) == 40
+    assert "could not remove the parts of builds that never committed" in caplog.text
+    assert all(LocalStore(str(run)).get(k) == b"lost" for k in lost)
+    # The next build of the identity (the committed store torn, so built again) removes them, and keeps
+    # every blob its manifest names: a node without a copy fetches and verifies them all.
+    first = json.loads((run / "tokens" / ident / "manifests" / "000000000000.json").read_text())
+    (run / "tokens" / ident / first["blobs"]["tokens.bin/00000"]["key"]).write_bytes(b"torn")
+    shutil.rmtree(cache / "tokens" / ident)
+    assert data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+    keys = {o.key for o in LocalStore(str(run)).list(f"tokens/{ident}/")}
+    assert not keys & set(lost)
+    manifest = json.loads((run / "tokens" / ident / "manifests" / "000000000000.json").read_text())
+    assert {f"tokens/{ident}/{ref['key']}" for ref in manifest["blobs"].values()} <= keys
+    shutil.rmtree(cache / "tokens" / ident)
+    assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
