@@ -4,7 +4,9 @@ Generates a synthetic JSON Lines dataset of prompt/response pairs (default 100,0
 20-200 words, responses of 50-300) and, with ``data.max_length`` 2048 and the tiny spec's byte tokenizer,
 measures in one run and prints as a table:
 
-- building the token store: one process, and all ranks of a 2-rank torchrun world (gloo);
+- building the token store: one process, and all ranks of a 2-rank torchrun world (gloo); against
+  Hugging Face ``datasets`` (``load_dataset`` to Arrow, then ``map`` with ``num_proc=2`` to Arrow cache
+  files, the same tokenization), and a restart from that cache;
 - a restart: wall time from process start to the first micro-batch, and the process's maximum RSS
   (``resource.getrusage``), for the store (committed, on the node) and for the old path (every process
   tokenizing every sample into ``(n, max_length)`` int64 tensors; at ``--old-samples`` samples, default
@@ -62,6 +64,13 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process and the children it reaped (``datasets``' map workers): on a host
+    shared with other work, the figure that does not depend on how busy the host is."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 # ------------------------------------------------------------------ children (fresh interpreters)
 
 
@@ -89,9 +98,44 @@ def child(args) -> None:
         data = old_tokenize({f: [r[f] for r in rows] for f in ("prompt", "response")}, cfg, byte_tokenizer())
         idx = list(range(8))
         _ = {k: v[idx] for k, v in data.items()}  # the first micro-batch
-        print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "samples": len(rows)}), flush=True)
+        print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(),
+                          "samples": len(rows)}), flush=True)
+        return
+    if args.child in ("datasets-map", "datasets-restart"):
+        print(json.dumps(_datasets_map(args)), flush=True)
         return
     print(json.dumps(_load(args, None)), flush=True)
+
+
+def _datasets_map(args) -> dict:
+    """The Hugging Face way: JSON Lines to Arrow (``load_dataset``), then ``map`` with ``num_proc=2`` to Arrow
+    cache files holding each sample's ids and its untrained prefix (the same :func:`encode` as the store's
+    build, so the tokenizer work is the same), then the first micro-batch read from the mapped table. Run
+    again on the same cache (``datasets-restart``), both steps are cache hits: a restart's cost."""
+    import datasets
+
+    from elastic_ft.train.model import byte_tokenizer
+    from elastic_ft.train.token_records import encode
+
+    datasets.disable_progress_bars()
+    cfg = config(args.data, args.max_length)
+    tok = byte_tokenizer()
+    t0 = time.monotonic()
+    raw = datasets.load_dataset("json", data_files=[args.data], split="train", cache_dir=args.run_store)
+    t_arrow = time.monotonic() - t0
+
+    def tokenize(batch, indices):
+        samples, untrained = encode(batch, indices[0], cfg, tok)
+        return {"input_ids": samples, "untrained": untrained}
+
+    mapped = raw.map(tokenize, batched=True, batch_size=1024, with_indices=True, num_proc=2,
+                     remove_columns=raw.column_names)
+    t_map = time.monotonic() - t0 - t_arrow
+    first = mapped[:8]  # the first micro-batch's rows, as Python lists
+    assert len(first["input_ids"]) == min(8, len(mapped))
+    cache_mb = sum(os.path.getsize(f["filename"]) for f in mapped.cache_files) / 2**20
+    return {"seconds": time.time() - float(args.t0), "load_s": time.monotonic() - t0, "arrow_s": t_arrow,
+            "map_s": t_map, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(mapped), "cache_mb": cache_mb}
 
 
 def _load(args, world) -> dict:
@@ -105,7 +149,7 @@ def _load(args, world) -> dict:
     t_built = time.monotonic() - t0
     _ = store.batch(list(range(min(8, len(store)))))  # the first micro-batch
     return {"seconds": time.time() - float(args.t0), "load_s": t_built, "built": built.built,
-            "rss_mb": max_rss_mb(), "samples": len(store), "tokens": int(store.header.tokens),
+            "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(store), "tokens": int(store.header.tokens),
             "directory": store.directory}
 
 
@@ -145,6 +189,10 @@ def padding_ratio(directory: str, micro_batch: int, seed: int) -> tuple[float, f
     chunks = [order[i:i + micro_batch] for i in range(0, n, micro_batch)]
     per_micro = store.computed_tokens(chunks)
     return per_micro / real, n * store.max_length / real
+
+
+def store_mb(directory: str) -> float:
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)) / 2**20
 
 
 # ------------------------------------------------------------------ main
@@ -188,30 +236,41 @@ def main(argv=None) -> None:
 
     cache, store = fresh("one")
     b1 = spawn("load", data, cache, store, args.max_length)
-    rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"]))
+    rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"], b1["cpu_s"]))
     cache2, store2 = fresh("two")
     b2 = spawn("build-rank", data, cache2, store2, args.max_length, ranks=2)
-    rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"]))
+    rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"], b2["cpu_s"]))
     r = spawn("load", data, cache, store, args.max_length)
     assert not r["built"], "the restart built the store again"
-    rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"]))
+    rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"], r["cpu_s"]))
     dcache, dstore = fresh("demo")
     spawn("load", DEMO, dcache, dstore, 48)
     d = spawn("load", DEMO, dcache, dstore, 48)
-    rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"]))
+    rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"], d["cpu_s"]))
+    hf_cache = os.path.join(work, "hf-datasets")
+    shutil.rmtree(hf_cache, ignore_errors=True)
+    m = spawn("datasets-map", data, cache, hf_cache, args.max_length)
+    rows.append(("build, datasets.map num_proc=2 (Arrow)", args.samples, m["load_s"], m["rss_mb"], m["cpu_s"]))
+    mr = spawn("datasets-restart", data, cache, hf_cache, args.max_length)
+    rows.append(("restart, datasets cache (to first batch)", args.samples, mr["seconds"], mr["rss_mb"], mr["cpu_s"]))
     o = spawn("old", old_data, cache, store, args.max_length)
-    rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"]))
+    rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"], o["cpu_s"]))
     od = spawn("old", DEMO, cache, store, 48)
-    rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"]))
+    rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"], od["cpu_s"]))
     per_micro, to_max = padding_ratio(b1["directory"], args.micro_batch, seed=1234)
 
     print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
-    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s}")
-    for name, n, s, rss in rows:
-        print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f}")
+    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s} {'CPU s':>8s}")
+    for name, n, s, rss, cpu in rows:
+        print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f} {cpu:>8.1f}")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end; the 2-rank build's CPU "
+          f"is its leader's)")
     print(f"\ntokens computed per real token (micro-batch {args.micro_batch}, shuffled order):")
     print(f"  padded per micro-batch (to its longest, multiple of 8): {per_micro:.3f}")
     print(f"  padded to max_length (the old path):                    {to_max:.3f}")
+    print(f"\ndatasets.map: JSON to Arrow {m['arrow_s']:.1f} s, map {m['map_s']:.1f} s, Arrow cache files "
+          f"{m['cache_mb']:.0f} MiB (on restart: Arrow {mr['arrow_s']:.1f} s, map {mr['map_s']:.1f} s); "
+          f"the token store's files: {store_mb(b1['directory']):.0f} MiB")
     print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
 
 

@@ -13,6 +13,11 @@ Actions:
   of the step, and stays so: every later loss is NaN.
 - ``fail_load``: that rank's read of the checkpoint chosen at resume fails with
   an I/O error (a rank that cannot reach the store); ``step`` does not apply.
+- ``kill_build``: SIGKILL the worker while the world builds the token store
+  (:mod:`elastic_ft.train.token_build`), at ``point=share`` (its share is
+  tokenized, its part not yet uploaded; the default) or ``point=commit`` (the
+  leader: the store's blobs are uploaded, its manifest not yet written);
+  ``step`` does not apply.
 The trainer asks :meth:`Injector.fires` for the ``nan_*`` actions where they apply.
 """
 
@@ -24,7 +29,8 @@ import os
 import signal
 
 ENV = "ELASTIC_FT_FAULTS"
-ACTIONS = ("kill", "nan_loss", "nan_weight", "fail_load")
+ACTIONS = ("kill", "nan_loss", "nan_weight", "fail_load", "kill_build")
+BUILD_POINTS = ("share", "commit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Fault:
     rank: int | None
     step: int | None
     restart: int | None
+    point: str | None = None
+    """``kill_build`` only: where in the build (:data:`BUILD_POINTS`)."""
 
 
 def parse(text: str) -> list[Fault]:
@@ -43,14 +51,19 @@ def parse(text: str) -> list[Fault]:
             raise ValueError(f"{ENV}: unknown fault action {action!r} in {item!r}; supported: {', '.join(ACTIONS)}")
         pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
         fields = dict(p for p in pairs if len(p) == 2)
+        if action == "kill_build":
+            if set(fields) - {"rank", "restart", "point"} or len(fields) != len(pairs) \
+                    or fields.get("point", "share") not in BUILD_POINTS:
+                raise ValueError(f"{ENV}: {item!r} accepts only rank, restart and point={'|'.join(BUILD_POINTS)}")
         unknown = set(fields) - {"rank", "step", "restart"}
-        if action != "fail_load" and (unknown or "step" not in fields or len(fields) != len(pairs)):
+        if action not in ("fail_load", "kill_build") and (unknown or "step" not in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} needs step=N and accepts only rank, step, restart")
         if action == "fail_load" and (unknown or "step" in fields or len(fields) != len(pairs)):
             raise ValueError(f"{ENV}: {item!r} accepts only rank and restart")
         try:
             get = lambda k: int(fields[k]) if k in fields else None  # noqa: E731
-            faults.append(Fault(action, get("rank"), get("step"), get("restart")))
+            faults.append(Fault(action, get("rank"), get("step"), get("restart"),
+                                fields.get("point", "share") if action == "kill_build" else None))
         except ValueError as exc:
             raise ValueError(f"{ENV}: {item!r} has a value that is not an integer") from exc
     return faults
@@ -75,6 +88,13 @@ class Injector:
         """Perform the ``kill`` faults due now (the ``nan_*`` ones are applied by the trainer)."""
         if self.faults and self.fires("kill", rank=rank, step=step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_kill_build(self, *, rank: int, point: str) -> None:
+        """Perform the ``kill_build`` faults set for this rank, restart and ``point`` of the token store's build."""
+        for f in self.faults:
+            if f.action == "kill_build" and f.point == point and f.rank in (None, rank) \
+                    and f.restart in (None, self.restart):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_fail_load(self, *, rank: int) -> None:
         """Raise the I/O error a ``fail_load`` fault asks for on this rank (at the checkpoint read of resume)."""

@@ -5,8 +5,11 @@
 cuts a file into blobs of at most :data:`PIECE_BYTES`; :func:`localize` gives a
 node its copy of a committed store under ``<node cache>/tokens/<identity>/``:
 fetched a piece at a time and checked against the manifest once, then trusted
-while its files keep the size, mtime and inode recorded when it was checked
-(``verified.json``). Several ranks of a node share a copy under a file lock.
+while its files keep the size, mtime, ctime, inode and device recorded before
+they were hashed, for the same manifest (``verified.json``; why that is sound,
+and what it cannot see: :mod:`elastic_ft.train.token_build`). Several ranks of
+a node share a copy under a file lock; work directories (:func:`scratch`) are
+locked while in use, so what a killed process left is found and removed.
 
 Cost: assembling, one pass over the tokens; a fetch, one download (memory:
 one piece); a start with a verified copy, a few stats.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -186,6 +190,54 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
 # ---------------------------------------------------------------- the node copy
 
 
+SCRATCH = (".build-", ".fetch-")
+"""Name prefixes of the node cache's work directories (a build's parts and store, a fetch in progress)."""
+
+
+@contextlib.contextmanager
+def scratch(node_root: str, name: str) -> Iterator[str]:
+    """A work directory ``<node_root>/<name>`` (``name`` starts with one of :data:`SCRATCH`), held under a
+    file lock while in use and removed after. A process killed while it holds one (a rank lost mid-build)
+    leaves it behind; :func:`sweep_scratch` removes it once its lock is free."""
+    path = os.path.join(node_root, name)
+    with locked(path + ".lock"):
+        try:
+            os.makedirs(path, exist_ok=True)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".lock")
+
+
+def sweep_scratch(node_root: str) -> int:
+    """Remove the work directories of the node cache that no live process holds (their lock is free: the
+    kernel releases a dead process's); how many. Cost: one listing of the node cache's store directory."""
+    try:
+        names = [n for n in os.listdir(node_root) if n.startswith(SCRATCH) and not n.endswith(".lock")]
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(node_root, name)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use by a live build or fetch
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".lock")
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("token store: removed %d work directorie(s) that lost builds or fetches left in %s", removed,
+                 node_root)
+    return removed
+
+
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -198,15 +250,27 @@ def locked(path: str) -> Iterator[None]:
 
 
 def _stamp(directory: str) -> dict[str, list[int]]:
+    """Per store file: size, mtime, ctime, inode and device. ctime is the kernel's: no process can set it
+    (``utime`` sets mtime and moves ctime to now), so a file written in place and its mtime put back still
+    shows a new stamp."""
     out = {}
     for name in FILES:
         st = os.stat(os.path.join(directory, name))
-        out[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     return out
 
 
-def mark_verified(directory: str, manifest) -> None:
-    doc = {"writer": manifest.writer, "created": manifest.created, "files": _stamp(directory)}
+def _manifest_digest(manifest) -> str:
+    """sha256 of what the manifest says the files hold (each blob's name, size and digest)."""
+    doc = sorted((name, ref.size, ref.sha256) for name, ref in manifest.blobs.items())
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def mark_verified(directory: str, manifest, stamp: dict | None = None) -> None:
+    """Record that ``directory``'s files are ``manifest``'s bytes, as they are now (or as ``stamp``, taken
+    before they were hashed)."""
+    doc = {"writer": manifest.writer, "created": manifest.created, "manifest": _manifest_digest(manifest),
+           "files": stamp or _stamp(directory)}
     tmp = os.path.join(directory, f".verified.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f)
@@ -217,8 +281,8 @@ def _marked(directory: str, manifest) -> bool:
     try:
         with open(os.path.join(directory, "verified.json"), encoding="utf-8") as f:
             doc = json.load(f)
-        return (doc.get("writer"), doc.get("created")) == (manifest.writer, manifest.created) and \
-            doc.get("files") == _stamp(directory)
+        return (doc.get("writer"), doc.get("created"), doc.get("manifest")) == \
+            (manifest.writer, manifest.created, _manifest_digest(manifest)) and doc.get("files") == _stamp(directory)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -236,14 +300,14 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
         if os.path.isdir(final):
             if _marked(final, manifest):
                 return final
+            before = _stamp(final)
             problems = [p for name, refs in pieces.items() if (p := verify_file(os.path.join(final, name), refs))]
-            if not problems:
-                mark_verified(final, manifest)
+            if not problems and _stamp(final) == before:  # recorded as hashed: a write meanwhile is not trusted
+                mark_verified(final, manifest, before)
                 return final
             log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
-        tmp = os.path.join(node_root, f".fetch-{uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp)
-        try:
+        sweep_scratch(node_root)
+        with scratch(node_root, f".fetch-{uuid.uuid4().hex[:12]}") as tmp:
             for name, refs in pieces.items():
                 with open(os.path.join(tmp, name), "wb") as f:
                     for ref in refs:
@@ -255,8 +319,6 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
                     f.flush()
                     os.fsync(f.fileno())
             replace_dir(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         mark_verified(final, manifest)
         return final
 
@@ -269,5 +331,5 @@ def replace_dir(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-__all__ = ["PIECE_BYTES", "StoreTorn", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
+__all__ = ["PIECE_BYTES", "SCRATCH", "StoreTorn", "scratch", "sweep_scratch", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
            "replace_dir", "store_reader", "upload_files", "verify_file"]

@@ -1,31 +1,53 @@
 """Run under torchrun: every rank loads (so the world builds) the token stores named on the command line.
 
 Arguments: the run store's directory, then one JSON DataConfig document per store. Prints each store's
-identity on rank 0.
+identity on rank 0, with the restart it was loaded in. A rank whose load fails prints one line
+``rank R error: ...`` and leaves as the worker does (every rank meets in a bounded settle first, so a
+rank that learnt of the failure prints before torchrun stops the others), exit code 2.
+
+``FAIL_PART_UPLOADS_ON_RANK=R``: on rank R, the run store refuses to write the build's parts, as a store
+that is gone once its retries are spent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from datetime import timedelta
 
+from elastic_ft.checkpoint.errors import StoreUnavailable
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.config import DataConfig
 from elastic_ft.train import data as data_mod
 from elastic_ft.train.model import byte_tokenizer
-from elastic_ft.train.world import close_world, init_world
+from elastic_ft.train.world import close_world, exit_process, init_world, settle
+
+
+class RefusesParts(LocalStore):
+    def put(self, key, data, *, if_absent=False):
+        if "/parts/" in key:
+            raise StoreUnavailable(f"injected: the store refuses {key}")
+        return super().put(key, data, if_absent=if_absent)
 
 
 def main() -> None:
-    world = init_world()
+    world = init_world(timedelta(seconds=120))
+    fail_rank = os.environ.get("FAIL_PART_UPLOADS_ON_RANK")
+    store_type = RefusesParts if fail_rank is not None and int(fail_rank) == world.rank else LocalStore
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         for doc in sys.argv[2:]:
             store, built = data_mod.load_with_report(DataConfig(**json.loads(doc)), byte_tokenizer(), world=world,
-                                                     store=LocalStore(sys.argv[1]), run_id="r")
+                                                     store=store_type(sys.argv[1]), run_id="r")
             if world.is_leader:
-                print(f"identity {built.identity} built {built.built} samples {len(store)}", flush=True)
-    finally:
-        close_world(world)
+                print(f"identity {built.identity} built {built.built} samples {len(store)} restart {restart}",
+                      flush=True)
+    except Exception as exc:  # noqa: BLE001 - the worker's way out: one line, then leave together
+        print(f"rank {world.rank} error: {type(exc).__name__}: {exc}", flush=True)
+        settle(world, timedelta(seconds=20))
+        exit_process(2)
+    close_world(world)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def test_fault_parse():
     assert got == [faults.Fault("kill", 1, 7, 0), faults.Fault("kill", None, 3, None)]
     assert faults.parse("") == [] and faults.parse(" ; ") == []
     assert faults.parse("fail_load:rank=1") == [faults.Fault("fail_load", 1, None, None)]
+    assert faults.parse("kill_build:rank=1,restart=0; kill_build:rank=0,point=commit") == [
+        faults.Fault("kill_build", 1, None, 0, "share"), faults.Fault("kill_build", 0, None, None, "commit")]
 
 
 def test_fail_load_raises_on_its_rank_only():
@@ -85,6 +87,9 @@ def test_fail_load_raises_on_its_rank_only():
     ("kill:step=1,node=2", "accepts only rank, step, restart"),
     ("kill", "needs step=N"),
     ("fail_load:rank=1,step=2", "accepts only rank and restart"),
+    ("kill_build:rank=1,step=2", "accepts only rank, restart and point=share|commit"),
+    ("kill_build:point=later", "accepts only rank, restart and point=share|commit"),
+    ("kill_build:rank=1,point", "accepts only rank, restart and point=share|commit"),
 ])
 def test_fault_parse_errors(text, match):
     with pytest.raises(ValueError, match=match) as info:

@@ -4,8 +4,10 @@ a restart reads no data file, and a micro-batch is padded to its own longest sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -211,3 +213,117 @@ def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
     # Rank 0 is dealt samples 0, 1, 2 (micro-batches [0, 1] and [2]), rank 1 sample 3: 5, 12, 22, 47 tokens.
     plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
     assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 16 + 24 + 48}
+
+
+def test_a_node_copy_altered_in_place_with_its_mtime_put_back_is_fetched_again_not_used(cache, tmp_path):
+    """The node copy is trusted by its files' stat stamp once verified; a write that keeps the size and puts
+    the mtime back (a tool restoring timestamps, a copy with ``cp -p`` over it) moves the kernel's ctime,
+    so the copy is hashed again and fetched, never mapped as it is."""
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    expected = np.array(good.tokens)
+    copy = cache / "tokens" / built.identity / "tokens.bin"
+    st = os.stat(copy)
+    with open(copy, "r+b") as f:  # in place: same inode, same size
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(copy).st_size, os.stat(copy).st_mtime_ns, os.stat(copy).st_ino) == \
+        (st.st_size, st.st_mtime_ns, st.st_ino)
+    store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
+    assert not again.built
+    assert np.array_equal(np.array(store.tokens), expected)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "text", "saved-dataset", "saved-dataset-dict"])
+def test_other_input_formats_go_through_the_same_store(cache, tmp_path, kind):
+    """parquet and text files, and a ``data.dataset`` that is a local directory written by ``save_to_disk``
+    (no hub download: a Dataset, or a DatasetDict whose ``data.split`` is taken), give the samples their
+    records are, token for token."""
+    import datasets
+
+    rows = varied_rows(30, seed=3)
+    fields = dict(prompt_field="q", response_field="a", max_length=24)
+    expected = columns(rows, ["q", "a"])
+    if kind == "parquet":
+        path = str(tmp_path / "d.parquet")
+        datasets.Dataset.from_list(rows).to_parquet(path)
+        cfg = DataConfig(files=[path], **fields)
+    elif kind == "text":
+        lines = [r["q"] + r["a"] for r in rows]
+        path = tmp_path / "d.txt"
+        path.write_text("".join(line + "\n" for line in lines))
+        cfg = DataConfig(files=[str(path)], max_length=24)
+        expected = {"text": lines}
+    elif kind == "saved-dataset":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+        cfg = DataConfig(dataset=str(tmp_path / "saved"), **fields)
+    else:
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(varied_rows(5)),
+                              "validation": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+        cfg = DataConfig(dataset=str(tmp_path / "saved"), split="validation", **fields)
+    tok = byte_tokenizer()
+    store, built = data_mod.load_with_report(cfg, tok)
+    assert built.built
+    assert_same_samples(store, old_tokenize(expected, cfg, tok))
+    assert not data_mod.load_with_report(cfg, tok)[1].built  # the same input: the same store, not rebuilt
+
+
+def test_a_saved_dataset_directory_names_its_store_by_its_contents(cache, tmp_path):
+    import datasets
+
+    saved = str(tmp_path / "saved")
+    cfg = DataConfig(dataset=saved, prompt_field="q", response_field="a", max_length=24)
+    tok = byte_tokenizer()
+    datasets.Dataset.from_list(varied_rows(10, seed=1)).save_to_disk(saved)
+    first = data_mod.load_with_report(cfg, tok)[1].identity
+    datasets.Dataset.from_list(varied_rows(10, seed=2)).save_to_disk(saved + ".new")
+    os.rename(saved, saved + ".old")
+    os.rename(saved + ".new", saved)
+    assert data_mod.load_with_report(cfg, tok)[1].identity != first
+    missing = DataConfig(dataset=saved, split="test", prompt_field="q", response_field="a", max_length=24)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(varied_rows(3))}).save_to_disk(saved + ".dict")
+    with pytest.raises(data_mod.DataError, match=r"^data.dataset .* has splits \['train'\]; set data.split"):
+        data_mod.load(dataclasses.replace(missing, dataset=saved + ".dict"), tok)
+
+
+def test_lost_builds_parts_go_only_with_a_commit_and_never_the_committed_blobs(cache, tmp_path, caplog):
+    """What builds that never committed left under a store's identity (parts, blobs no manifest names) is
+    deleted by the build that commits; a store that cannot list (a transient fault) costs a warning, not
+    the build, and deletes nothing; the committed store's blobs always stay."""
+    from elastic_ft.checkpoint.errors import StoreUnavailable
+
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    ident = data_mod.load_with_report(cfg, tok, store=LocalStore(str(tmp_path / "elsewhere")), run_id="r")[1].identity
+    lost = [f"tokens/{ident}/parts/0123456789ab/00001/tokens.bin/00000",
+            f"tokens/{ident}/blobs/000000000000-0badf00d/tokens.bin/00000"]
+
+    class CannotList(LocalStore):
+        def list(self, prefix=""):
+            raise StoreUnavailable("injected: listing timed out")
+
+    run = tmp_path / "runs" / "r"
+    for key in lost:
+        LocalStore(str(run)).put(key, b"lost")
+    store, built = data_mod.load_with_report(cfg, tok, store=CannotList(str(run)), run_id="r")
+    assert built.built and len(store) == 40
+    assert "could not remove the parts of builds that never committed" in caplog.text
+    assert all(LocalStore(str(run)).get(k) == b"lost" for k in lost)
+    # The next build of the identity (the committed store torn, so built again) removes them, and keeps
+    # every blob its manifest names: a node without a copy fetches and verifies them all.
+    first = json.loads((run / "tokens" / ident / "manifests" / "000000000000.json").read_text())
+    (run / "tokens" / ident / first["blobs"]["tokens.bin/00000"]["key"]).write_bytes(b"torn")
+    shutil.rmtree(cache / "tokens" / ident)
+    assert data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+    keys = {o.key for o in LocalStore(str(run)).list(f"tokens/{ident}/")}
+    assert not keys & set(lost)
+    manifest = json.loads((run / "tokens" / ident / "manifests" / "000000000000.json").read_text())
+    assert {f"tokens/{ident}/{ref['key']}" for ref in manifest["blobs"].values()} <= keys
+    shutil.rmtree(cache / "tokens" / ident)
+    assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
