@@ -84,9 +84,11 @@ class DataConfig:
     response_field: str | None = None
     """Field holding the response."""
     max_length: int = 128
-    """Tokens per sample (longer texts are truncated; with packing, the block size)."""
+    """Tokens per sample (longer samples are truncated); with packing, also the length of a packed row."""
     packing: bool = False
-    """Concatenate texts and cut them into ``max_length`` blocks (no padding)."""
+    """Pack whole samples into rows of ``max_length`` tokens (best-fit decreasing, once when the token store is
+    built): position ids restart at each sample and attention never crosses a sample boundary. The cursor
+    then deals packed rows: ``batch`` sizes and ``steps`` count rows, as TRL counts packed sequences."""
 
 
 @dataclasses.dataclass(kw_only=True)
