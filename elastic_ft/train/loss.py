@@ -47,10 +47,13 @@ def check_model(model, chunk_tokens: int | None) -> None:
                                                        f"set it to null")])
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict:
     """What the model's forward takes from a micro-batch: all but the labels (``attention_mask`` for padded
-    samples, ``position_ids`` for packed rows: :meth:`~elastic_ft.train.token_store.TokenStore.batch`)."""
-    return {k: v for k, v in batch.items() if k != "labels"}
+    samples, ``position_ids`` for packed rows: :meth:`~elastic_ft.train.token_store.TokenStore.batch`), and
+    ``use_cache=False``: training needs no key/value cache, and with one transformers (5.24,
+    ``masking_utils._preprocess_mask_arguments``) does not look for packed sequences in the position ids, so
+    a packed row's samples would attend to each other (tests/unit/test_packing.py sees it happen)."""
+    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
 
 
 def padding_free(model) -> bool:
