@@ -41,10 +41,7 @@ def token_settings(cfg: DataConfig, fmt: str | None) -> dict[str, Any]:
     """The data settings that change the tokens (not the files' paths: their contents are hashed)."""
     return {"format": fmt, "dataset": cfg.dataset, "split": cfg.split if cfg.dataset else None,
             "text_field": cfg.text_field, "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
-            "max_length": cfg.max_length,
-            # "rows": whole samples in packed rows; before, packing cut the concatenated tokens into blocks,
-            # so a store built then must never be taken for one of these.
-            "packing": "rows" if cfg.packing else False}
+            "max_length": cfg.max_length, "packing": cfg.packing}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

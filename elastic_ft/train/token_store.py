@@ -44,7 +44,9 @@ import os
 import numpy as np
 import torch
 
-FORMAT = "elastic_ft.tokens/1"
+FORMAT = "elastic_ft.tokens/2"
+"""/2: rows.bin and row_samples.bin (packed rows of whole samples) joined the files; packing no longer cuts the
+concatenated tokens into blocks. Part of the identity, so a store of another format is never taken for one."""
 IGNORE = -100
 PAD_MULTIPLE = 8
 """Micro-batch lengths are rounded up to this: tensor-core and vectorised kernels like multiples of 8, and

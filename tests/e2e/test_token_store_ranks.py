@@ -1,6 +1,6 @@
 """The token store built by the ranks of a real 2-process torchrun world (gloo): each rank tokenizes its
 share and the leader concatenates the parts, so the files are byte-identical to a 1-process build, also
-with packing (whose blocks cross the shares' boundary)."""
+with packing (whose rows are decided from all samples' lengths, across the shares' boundary)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".spl
 def test_two_ranks_build_the_same_bytes_as_one(tmp_path, monkeypatch):
     rng = np.random.default_rng(7)
     path = tmp_path / "d.jsonl"
-    # 301 records: the 2 shares are uneven, and a packed block spans the boundary between them.
+    # 301 records: the 2 shares are uneven, and packed rows take samples of both shares.
     path.write_text("".join(json.dumps({"q": " ".join(rng.choice(WORDS, rng.integers(1, 15))),
                                         "a": " " + " ".join(rng.choice(WORDS, rng.integers(1, 10)))}) + "\n"
                             for _ in range(301)))
