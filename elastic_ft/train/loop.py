@@ -171,6 +171,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    @property
+    def _flat(self) -> bool:
+        """Whether packed rows go to the model as one unpadded row per micro-batch (flash-attention's layout)."""
+        return self.data.packed and loss_mod.padding_free(self.model)
+
     def train_step(self) -> StepResult:
         w, plan, spec = self.world, self.plan, self.spec
         positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
@@ -190,7 +195,6 @@ class Trainer:
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
         chunks = micro_batches(mine, plan.micro_batch, self.data.micro_lengths(mine))
-        flat = self.data.packed and loss_mod.padding_free(self.model)
         net = self.net
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
@@ -200,7 +204,7 @@ class Trainer:
         count = max(plan.micro_steps) if self.sharded else max(1, len(chunks))
         for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count, filler=indices[:1])):
             last = j == count - 1
-            batch = data_mod.to_device(self.data.batch(chunk, flat=flat), w.device)  # pinned, asynchronous on CUDA
+            batch = data_mod.to_device(self.data.batch(chunk, flat=self._flat), w.device)  # pinned, asynchronous on CUDA
             # One synchronised backward per step on every rank, however many micro-batches it has.
             with sharding.gradient_sync(net, last):
                 ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
@@ -231,7 +235,7 @@ class Trainer:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
         return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped,
-                          **step_tokens(self.data, indices, plan, flat=flat))
+                          **step_tokens(self.data, indices, plan, flat=self._flat))
 
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
