@@ -203,3 +203,28 @@ def test_a_ranks_items_group_into_micro_batches_by_length():
     items, lengths = [10, 11, 12, 13, 14], [5, 40, 7, 40, 30]
     assert micro_batches(items, 2, lengths) == [[11, 13], [14, 12], [10]]  # ties keep the dealt order
     assert micro_batches(items, 2) == [[10, 11], [12, 13], [14]]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_step_events_count_the_tokens_the_model_really_computed(cache, tmp_path, monkeypatch, packing):
+    """The real trainer (in process, the demo corpus): each step event's computed_tokens is the size of the
+    micro-batches the model was given, and its real_tokens the samples' tokens, packed or not."""
+    from elastic_ft.runevents.events import read_events
+    from elastic_ft.train.token_store import TokenStore
+    from tests.unit.inprocess import train
+
+    fed: list[tuple[int, int]] = []  # per micro-batch: positions computed, real tokens in it
+    cut = TokenStore.batch
+
+    def watched(self, indices, **kw):
+        batch = cut(self, indices, **kw)
+        fed.append((batch["input_ids"].numel(), self.real_tokens(indices)))
+        return batch
+
+    monkeypatch.setattr(TokenStore, "batch", watched)
+    run = train(tmp_path, "r", "steps=3", "batch.global_batch=12", "batch.micro_batch=4", f"data.packing={packing}")
+    assert len(run.losses) == 3 and all(np.isfinite(run.losses))
+    steps = [e for e in read_events(str(tmp_path / "r" / "logs" / "events.jsonl")) if e["event"] == "step"]
+    assert sum(e["computed_tokens"] for e in steps) == sum(c for c, _ in fed)
+    assert sum(e["real_tokens"] for e in steps) == sum(r for _, r in fed)
+    assert sum(c for c, _ in fed) > sum(r for _, r in fed)  # padding there is, and it is counted
