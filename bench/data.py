@@ -170,6 +170,24 @@ def to_max_length(directory: str) -> float:
     return len(store) * store.max_length / store.header.tokens
 
 
+def print_padding(args, b1: dict, bp: dict) -> None:
+    """The tokens computed per real token of the plain store ``b1`` and the packed one ``bp`` (spawn reports)."""
+    shape = (args.global_batch, args.world, args.micro_batch)
+    ratios = [
+        ("padded per micro-batch, dealt order (before)", padding_ratio(b1["directory"], *shape, 1234, group=False)),
+        ("padded per micro-batch, grouped by length", padding_ratio(b1["directory"], *shape, 1234)),
+        ("packed rows, padded per micro-batch (eager, sdpa)", padding_ratio(bp["directory"], *shape, 1234)),
+        ("packed rows, one unpadded row (flash-attention)", padding_ratio(bp["directory"], *shape, 1234, flat=True)),
+        ("padded to max_length (the old path)", to_max_length(b1["directory"])),
+    ]
+    print(f"\npacked: {bp['samples']:,} rows of at most {args.max_length} tokens from {b1['samples']:,} samples "
+          f"({bp['tokens'] / (bp['samples'] * args.max_length):.3f} full)")
+    print(f"tokens computed per real token, one epoch (global batch {args.global_batch} over {args.world} ranks, "
+          f"micro-batch {args.micro_batch}, shuffled order):")
+    for name, ratio in ratios:
+        print(f"  {name:52s} {ratio:.3f}")
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -181,6 +199,8 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batch", type=int, default=8, help="samples (or packed rows) per micro-batch")
     p.add_argument("--global-batch", type=int, default=64, help="samples (or packed rows) per step")
     p.add_argument("--world", type=int, default=2, help="ranks the global batch is dealt to")
+    p.add_argument("--padding-only", action="store_true",
+                   help="only the tokens computed per real token (the stores of an earlier run in --workdir reused)")
     p.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="where the data and stores go (default: a temporary directory)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -210,6 +230,11 @@ def main(argv=None) -> None:
     print(f"generated {args.samples:,} samples ({os.path.getsize(data) / 2**20:.0f} MiB) in {time.time() - t:.1f} s",
           flush=True)
     rows = []
+    if args.padding_only:
+        kept = {name: (os.path.join(work, name, "cache"), os.path.join(work, name, "runs")) for name in ("one", "packed")}
+        b1 = spawn("load", data, *kept["one"], args.max_length)
+        bp = spawn("load", data, *kept["packed"], args.max_length, packing=True)
+        return print_padding(args, b1, bp)
 
     def fresh(name: str) -> tuple[str, str]:
         cache, store = os.path.join(work, name, "cache"), os.path.join(work, name, "runs")
@@ -236,25 +261,11 @@ def main(argv=None) -> None:
     pcache, pstore = fresh("packed")
     bp = spawn("load", data, pcache, pstore, args.max_length, packing=True)
     rows.append(("build, 1 process, packed rows", args.samples, bp["load_s"], bp["rss_mb"]))
-    shape = (args.global_batch, args.world, args.micro_batch)
-    ratios = [
-        ("padded per micro-batch, dealt order (before)", padding_ratio(b1["directory"], *shape, 1234, group=False)),
-        ("padded per micro-batch, grouped by length", padding_ratio(b1["directory"], *shape, 1234)),
-        ("packed rows, padded per micro-batch (eager, sdpa)", padding_ratio(bp["directory"], *shape, 1234)),
-        ("packed rows, one unpadded row (flash-attention)", padding_ratio(bp["directory"], *shape, 1234, flat=True)),
-        ("padded to max_length (the old path)", to_max_length(b1["directory"])),
-    ]
-
     print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
     print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s}")
     for name, n, s, rss in rows:
         print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f}")
-    print(f"\npacked: {bp['samples']:,} rows of at most {args.max_length} tokens "
-          f"({bp['tokens'] / (bp['samples'] * args.max_length):.3f} full)")
-    print(f"tokens computed per real token, one epoch (global batch {args.global_batch} over {args.world} ranks, "
-          f"micro-batch {args.micro_batch}, shuffled order):")
-    for name, ratio in ratios:
-        print(f"  {name:52s} {ratio:.3f}")
+    print_padding(args, b1, bp)
     print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
 
 
