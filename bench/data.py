@@ -11,8 +11,11 @@ measures in one run and prints as a table:
   (``resource.getrusage``), for the store (committed, on the node) and for the old path (every process
   tokenizing every sample into ``(n, max_length)`` int64 tensors; at ``--old-samples`` samples, default
   at most 10,000, since at 100k it needs about 17 GB), and the demo corpus (1,024 lines) for reference;
-- tokens computed per real token: micro-batches of ``--micro-batch`` samples in the trainer's shuffled
-  order, padded to their longest sample (rounded to 8), against padding to ``max_length``.
+- tokens computed per real token over one epoch, as the trainer deals it (``--global-batch`` over
+  ``--world`` ranks, micro-batches of ``--micro-batch``; :func:`elastic_ft.train.loop.step_tokens`):
+  padded per micro-batch in dealt order and grouped by length (what the trainer does); with
+  ``data.packing`` (a second store, packed rows of whole samples), rows padded per micro-batch (eager,
+  sdpa) and one unpadded row per micro-batch (flash-attention); and padding to ``max_length``.
 
 Every measured process is a fresh interpreter (``--child``), so import and page-cache effects are the
 ones a worker start sees. Usage: ``python bench/data.py [--samples N] [--workdir DIR]``.
@@ -54,10 +57,11 @@ def generate(path: str, samples: int, seed: int = 0) -> None:
                 f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
 
 
-def config(data: str, max_length: int):
+def config(data: str, max_length: int, packing: bool = False):
     from elastic_ft.config import DataConfig
 
-    return DataConfig(files=[data], prompt_field="prompt", response_field="response", max_length=max_length)
+    return DataConfig(files=[data], prompt_field="prompt", response_field="response", max_length=max_length,
+                      packing=packing)
 
 
 def max_rss_mb() -> float:
@@ -144,7 +148,7 @@ def _load(args, world) -> dict:
     from elastic_ft.train.model import byte_tokenizer
 
     t0 = time.monotonic()
-    store, built = data_mod.load_with_report(config(args.data, args.max_length), byte_tokenizer(), world=world,
+    store, built = data_mod.load_with_report(config(args.data, args.max_length, args.packing), byte_tokenizer(), world=world,
                                              store=LocalStore(args.run_store), run_id="bench")
     t_built = time.monotonic() - t0
     _ = store.batch(list(range(min(8, len(store)))))  # the first micro-batch
@@ -153,10 +157,12 @@ def _load(args, world) -> dict:
             "directory": store.directory}
 
 
-def spawn(mode: str, data: str, cache: str, run_store: str, max_length: int, *, ranks: int = 1) -> dict:
+def spawn(mode: str, data: str, cache: str, run_store: str, max_length: int, *, ranks: int = 1,
+          packing: bool = False) -> dict:
     env = dict(os.environ, ELASTIC_FT_INPUT_CACHE=cache, PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="true")
     script = os.path.abspath(__file__)
-    tail = ["--child", mode, "--data", data, "--run-store", run_store, "--max-length", str(max_length)]
+    tail = ["--child", mode, "--data", data, "--run-store", run_store, "--max-length", str(max_length),
+            *(["--packing"] if packing else [])]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                script, *tail]
@@ -174,21 +180,56 @@ def spawn(mode: str, data: str, cache: str, run_store: str, max_length: int, *, 
 # ------------------------------------------------------------------ padding
 
 
-def padding_ratio(directory: str, micro_batch: int, seed: int) -> tuple[float, float]:
-    """Tokens computed per real token over one epoch in the trainer's order: per micro-batch padding, and
-    padding to max_length."""
-    import numpy as np
+def padding_ratio(directory: str, global_batch: int, world: int, micro_batch: int, seed: int, *,
+                  group: bool = True, flat: bool = False) -> float:
+    """Tokens computed per real token over one epoch of ``directory``'s store (the whole steps of it), dealt
+    and cut into micro-batches as the trainer does (``group``: by length; else in dealt order)."""
+    from types import SimpleNamespace
 
+    from elastic_ft.config import BatchConfig
+    from elastic_ft.train import loop
     from elastic_ft.train.cursor import take
+    from elastic_ft.train.scaling import plan_batch
     from elastic_ft.train.token_store import TokenStore
 
     store = TokenStore(directory)
-    n = len(store)
-    order = [i for _, i in take(0, n, n, seed)]
-    real = store.real_tokens(order)
-    chunks = [order[i:i + micro_batch] for i in range(0, n, micro_batch)]
-    per_micro = store.computed_tokens(chunks)
-    return per_micro / real, n * store.max_length / real
+    plan = plan_batch(BatchConfig(global_batch=global_batch, micro_batch=micro_batch), 1.0, world)
+    if not group:  # the order the rank was dealt: what the trainer did before grouping by length
+        store = SimpleNamespace(real_tokens=store.real_tokens, computed_tokens=store.computed_tokens,
+                                micro_lengths=lambda items: None)
+    n = len(TokenStore(directory))
+    real = computed = 0
+    for cursor in range(0, n - plan.global_batch + 1, plan.global_batch):
+        indices = [i for _, i in take(cursor, plan.global_batch, n, seed)]
+        counts = loop.step_tokens(store, indices, plan, flat=flat)
+        real += counts["real_tokens"]
+        computed += counts["computed_tokens"]
+    return computed / max(1, real)
+
+
+def to_max_length(directory: str) -> float:
+    from elastic_ft.train.token_store import TokenStore
+
+    store = TokenStore(directory)
+    return len(store) * store.max_length / store.header.tokens
+
+
+def print_padding(args, b1: dict, bp: dict) -> None:
+    """The tokens computed per real token of the plain store ``b1`` and the packed one ``bp`` (spawn reports)."""
+    shape = (args.global_batch, args.world, args.micro_batch)
+    ratios = [
+        ("padded per micro-batch, dealt order (before)", padding_ratio(b1["directory"], *shape, 1234, group=False)),
+        ("padded per micro-batch, grouped by length", padding_ratio(b1["directory"], *shape, 1234)),
+        ("packed rows, padded per micro-batch (eager, sdpa)", padding_ratio(bp["directory"], *shape, 1234)),
+        ("packed rows, one unpadded row (flash-attention)", padding_ratio(bp["directory"], *shape, 1234, flat=True)),
+        ("padded to max_length (the old path)", to_max_length(b1["directory"])),
+    ]
+    print(f"\npacked: {bp['samples']:,} rows of at most {args.max_length} tokens from {b1['samples']:,} samples "
+          f"({bp['tokens'] / (bp['samples'] * args.max_length):.3f} full)")
+    print(f"tokens computed per real token, one epoch (global batch {args.global_batch} over {args.world} ranks, "
+          f"micro-batch {args.micro_batch}, shuffled order):")
+    for name, ratio in ratios:
+        print(f"  {name:52s} {ratio:.3f}")
 
 
 def store_mb(directory: str) -> float:
@@ -203,7 +244,12 @@ def main(argv=None) -> None:
     p.add_argument("--samples", type=int, default=100_000)
     p.add_argument("--old-samples", type=int, default=None, help="samples for the old path (default: min(samples, 10000))")
     p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=8, help="samples (or packed rows) per micro-batch")
+    p.add_argument("--global-batch", type=int, default=64, help="samples (or packed rows) per step")
+    p.add_argument("--world", type=int, default=2, help="ranks the global batch is dealt to")
+    p.add_argument("--padding-only", action="store_true",
+                   help="only the tokens computed per real token (the stores of an earlier run in --workdir reused)")
+    p.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="where the data and stores go (default: a temporary directory)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
@@ -214,6 +260,10 @@ def main(argv=None) -> None:
         return child(args)
     if not 1 <= args.samples <= 10_000_000:
         raise SystemExit("--samples: give 1 to 10000000")
+    for flag, value, top in (("--micro-batch", args.micro_batch, 4096), ("--global-batch", args.global_batch, 1 << 20),
+                             ("--world", args.world, 4096)):
+        if not 1 <= value <= top:
+            raise SystemExit(f"{flag}: give 1 to {top}")
     old_samples = args.old_samples or min(args.samples, 10_000)
     work = args.workdir or tempfile.mkdtemp(prefix="bench-data-")
     os.makedirs(work, exist_ok=True)
@@ -228,6 +278,11 @@ def main(argv=None) -> None:
     print(f"generated {args.samples:,} samples ({os.path.getsize(data) / 2**20:.0f} MiB) in {time.time() - t:.1f} s",
           flush=True)
     rows = []
+    if args.padding_only:
+        kept = {name: (os.path.join(work, name, "cache"), os.path.join(work, name, "runs")) for name in ("one", "packed")}
+        b1 = spawn("load", data, *kept["one"], args.max_length)
+        bp = spawn("load", data, *kept["packed"], args.max_length, packing=True)
+        return print_padding(args, b1, bp)
 
     def fresh(name: str) -> tuple[str, str]:
         cache, store = os.path.join(work, name, "cache"), os.path.join(work, name, "runs")
@@ -257,7 +312,9 @@ def main(argv=None) -> None:
     rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"], o["cpu_s"]))
     od = spawn("old", DEMO, cache, store, 48)
     rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"], od["cpu_s"]))
-    per_micro, to_max = padding_ratio(b1["directory"], args.micro_batch, seed=1234)
+    pcache, pstore = fresh("packed")
+    bp = spawn("load", data, pcache, pstore, args.max_length, packing=True)
+    rows.append(("build, 1 process, packed rows", args.samples, bp["load_s"], bp["rss_mb"], bp["cpu_s"]))
 
     print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
     print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s} {'CPU s':>8s}")
@@ -265,9 +322,7 @@ def main(argv=None) -> None:
         print(f"{name:42s} {n:>9,d} {s:>9.2f} {rss:>11.0f} {cpu:>8.1f}")
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end; the 2-rank build's CPU "
           f"is its leader's)")
-    print(f"\ntokens computed per real token (micro-batch {args.micro_batch}, shuffled order):")
-    print(f"  padded per micro-batch (to its longest, multiple of 8): {per_micro:.3f}")
-    print(f"  padded to max_length (the old path):                    {to_max:.3f}")
+    print_padding(args, b1, bp)
     print(f"\ndatasets.map: JSON to Arrow {m['arrow_s']:.1f} s, map {m['map_s']:.1f} s, Arrow cache files "
           f"{m['cache_mb']:.0f} MiB (on restart: Arrow {mr['arrow_s']:.1f} s, map {mr['map_s']:.1f} s); "
           f"the token store's files: {store_mb(b1['directory']):.0f} MiB")

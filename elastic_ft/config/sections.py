@@ -108,9 +108,11 @@ class DataConfig:
     template; the loss covers the assistant turns only (their content and end-of-turn token, not their role
     header). Cannot be combined with ``text_field``, ``prompt_field`` or ``response_field``."""
     max_length: int = 128
-    """Tokens per sample (longer texts are truncated; with packing, the block size)."""
+    """Tokens per sample (longer samples are truncated); with packing, also the length of a packed row."""
     packing: bool = False
-    """Concatenate texts and cut them into ``max_length`` blocks (no padding)."""
+    """Pack whole samples into rows of ``max_length`` tokens (best-fit decreasing, once when the token store is
+    built): position ids restart at each sample and attention never crosses a sample boundary. The cursor
+    then deals packed rows: ``batch`` sizes and ``steps`` count rows, as TRL counts packed sequences."""
     eval_files: list[str] = dataclasses.field(default_factory=list)
     """Held-out files for evaluation (``eval`` section), in the formats and with the settings of ``files``
     (paths resolved and ``s3://`` fetched the same way): a token store of their own, built once per run.

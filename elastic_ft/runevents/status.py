@@ -143,9 +143,24 @@ def _evals(events: list[dict]) -> list[str]:
             f"{best}"]
 
 
+def _padding(kept: list[dict]) -> list[str]:
+    """Padding waste over the steps kept (each step once, from the attempt that trained it last): the token
+    positions the micro-batches computed per token of the samples, from the step events' counts."""
+    counted = [e for e in kept if e.get("event") == "step" and isinstance(e.get("real_tokens"), int)
+               and isinstance(e.get("computed_tokens"), int)]
+    real = sum(e["real_tokens"] for e in counted)
+    computed = sum(e["computed_tokens"] for e in counted)
+    if not counted or real <= 0:
+        return ["padding: no step reported its tokens yet"]
+    waste = 100 * (computed - real) / computed if computed > 0 else 0.0
+    return [f"padding: {computed / real:.3f} tokens computed per real token ({waste:.1f} % of the computed "
+            f"tokens are padding; {real:,} real, {computed:,} computed over {len(counted)} steps)"]
+
+
 def summary(run: str, events: list[dict], newest: Checkpoint | None, *, committed: int, now: float,
             live: LiveWorld | None = None, asked_rendezvous: bool = False) -> list[str]:
-    """The lines of ``elastic-ft status``: progress, last checkpoint, world, interruptions, goodput, speed.
+    """The lines of ``elastic-ft status``: progress, last checkpoint, world, interruptions, goodput, speed,
+    padding.
 
     Malformed events are left out (:mod:`~elastic_ft.runevents.schema`); the command reports their count."""
     events = valid(events)
@@ -153,4 +168,4 @@ def summary(run: str, events: list[dict], newest: Checkpoint | None, *, committe
     finished = bool(events) and events[-1].get("event") == "end"
     return [f"run {run}", *_progress(events, kept), *_checkpoint(newest, committed, now),
             *_world(events, live, asked_rendezvous), *_interruptions(events), *_goodput(events),
-            *_speed(kept, now, finished), *_evals(events)]
+            *_speed(kept, now, finished), *_padding(kept), *_evals(events)]

@@ -24,6 +24,7 @@ import os
 import socket
 import time
 
+import numpy as np
 import torch
 
 from elastic_ft.train import faults
@@ -176,6 +177,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    @property
+    def _flat(self) -> bool:
+        """Whether packed rows go to the model as one unpadded row per micro-batch (flash-attention's layout)."""
+        return self.data.packed and loss_mod.padding_free(self.model)
+
     def train_step(self) -> StepResult:
         w, plan, spec = self.world, self.plan, self.spec
         positions = take(self.cursor, plan.global_batch, len(self.data), spec.seed)
@@ -194,7 +200,7 @@ class Trainer:
         # world/global_tokens makes the result sum(loss)/global_tokens: the same
         # gradient however the batch was split.
         scale = w.size / max(1, global_tokens)
-        chunks = micro_batches(mine, plan.micro_batch)
+        chunks = micro_batches(mine, plan.micro_batch, self.data.micro_lengths(mine))
         net = self.net
         # The micro-batches' losses stay on the device (no host sync per micro-batch), summed once below.
         losses: list[torch.Tensor] = []
@@ -204,7 +210,7 @@ class Trainer:
         count = max(plan.micro_steps) if self.sharded else max(1, len(chunks))
         for j, (chunk, weight) in enumerate(sharding.lockstep(chunks, count, filler=indices[:1])):
             last = j == count - 1
-            batch = data_mod.to_device(self.data.batch(chunk), w.device)  # pinned, asynchronous on CUDA
+            batch = data_mod.to_device(self.data.batch(chunk, flat=self._flat), w.device)  # pinned, asynchronous on CUDA
             # One synchronised backward per step on every rank, however many micro-batches it has.
             with sharding.gradient_sync(net, last):
                 ce = loss_mod.summed_loss(net, self.model, batch, chunk_tokens=spec.model.loss_chunk_tokens,
@@ -235,7 +241,7 @@ class Trainer:
                 self.metrics.flush()  # every rank is here: the guard's decision is the same on all
                 raise self._abort(self.guard.abort_message(self.step))
         return StepResult(self.step, lr, global_tokens, consumed, loss_sum, skipped=skipped,
-                          **step_tokens(self.data, indices, plan))
+                          **step_tokens(self.data, indices, plan, flat=self._flat))
 
     def _update(self, loss_sum: torch.Tensor, global_tokens: int) -> tuple[str | None, float]:
         """Clip and apply the step's gradient unless its norm is not finite: (why it was skipped, the norm).
@@ -373,17 +379,27 @@ class Trainer:
         self.close(exc)
 
 
-def micro_batches(samples: list[int], size: int) -> list[list[int]]:
-    """A rank's samples cut into micro-batches of at most ``size``, in order."""
-    return [samples[i : i + size] for i in range(0, len(samples), size)]
+def micro_batches(items: list[int], size: int, lengths=None) -> list[list[int]]:
+    """A rank's items cut into micro-batches of at most ``size``: in order, or with ``lengths`` (tokens per
+    item) longest first, so that each micro-batch holds items of like length and pads little.
+
+    Grouping changes only which of a rank's items share a micro-batch: the loss is a sum over tokens
+    normalised by the step's global token count, so the step's gradient is the same up to float order,
+    and the ledger still records the items dealt. Ties keep the dealt order (stable sort): deterministic.
+    """
+    if lengths is not None and len(items) > size:
+        order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+        items = [items[k] for k in order.tolist()]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def step_tokens(data: data_mod.TokenStore, indices: list[int], plan) -> dict[str, int]:
+def step_tokens(data: data_mod.TokenStore, indices: list[int], plan, *, flat: bool = False) -> dict[str, int]:
     """A step's real tokens (its samples', no padding) and the token positions all ranks' micro-batches
-    compute, padding included (lockstep's zero-weight repeats not counted): the deal is global, so every
-    rank knows them without a collective."""
-    chunks = [c for d in deal(indices, plan.per_rank) for c in micro_batches(d, plan.micro_batch)]
-    return {"real_tokens": data.real_tokens(indices), "computed_tokens": data.computed_tokens(chunks)}
+    compute, padding included, grouped and laid out as :meth:`Trainer.train_step` does (lockstep's
+    zero-weight repeats not counted): the deal is global, so every rank knows them without a collective."""
+    chunks = [c for d in deal(indices, plan.per_rank)
+              for c in micro_batches(d, plan.micro_batch, data.micro_lengths(d))]
+    return {"real_tokens": data.real_tokens(indices), "computed_tokens": data.computed_tokens(chunks, flat=flat)}
 
 
 def run(spec: JobSpec, opts: RunOptions) -> dict:

@@ -47,6 +47,24 @@ def check_model(model, chunk_tokens: int | None) -> None:
                                                        f"set it to null")])
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict:
+    """What the model's forward takes from a micro-batch: all but the labels (``attention_mask`` for padded
+    samples, ``position_ids`` for packed rows: :meth:`~elastic_ft.train.token_store.TokenStore.batch`), and
+    ``use_cache=False``: training needs no key/value cache, and with one transformers (5.24,
+    ``masking_utils._preprocess_mask_arguments``) does not look for packed sequences in the position ids, so
+    a packed row's samples would attend to each other (tests/unit/test_packing.py sees it happen)."""
+    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
+
+
+def padding_free(model) -> bool:
+    """Whether packed rows go to ``model`` as one unpadded row per micro-batch: its attention is a
+    flash-attention kernel, which keeps the samples apart by their position ids (variable-length
+    sequences) only in a batch of one row. Not measured here (no GPU); eager, sdpa and flex build a
+    block-diagonal mask from the position ids of padded rows instead."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    return "flash" in str(impl)
+
+
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     """Position t's target is token t+1; the last position has none.
 
@@ -65,11 +83,11 @@ def summed_loss(net, model, batch: dict[str, torch.Tensor], *,
     targets = shifted_targets(batch["labels"]).flatten()
     if chunk_tokens is None:
         with autocast():
-            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = net(**model_inputs(batch)).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum")
     output_layer = model.get_output_embeddings()
     with _hidden_states(output_layer) as captured, autocast():
-        net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        net(**model_inputs(batch))
     return chunked_cross_entropy(output_layer, captured[0].flatten(0, 1), targets, chunk_tokens, autocast)
 
 

@@ -38,6 +38,7 @@ from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.checkpoint.writer import CheckpointWriter
 from elastic_ft.config import DataConfig
 from elastic_ft.train.datafiles import DataError
+from elastic_ft.train.token_packing import pack
 from elastic_ft.train.token_store import FILES, Header
 
 log = logging.getLogger(__name__)
@@ -72,18 +73,14 @@ def assemble(parts: list, cfg: DataConfig, dtype: np.dtype, pad_id: int, vocab_s
     yielding the bytes of its part file ``name`` in order (a local file, or its pieces from the store)."""
     lengths = np.concatenate([np.frombuffer(b"".join(bytes(b) for b in read("lengths.bin")), dtype="<i8")
                               for read in parts]) if parts else np.zeros(0, np.int64)
-    total = int(lengths.sum())
     length = cfg.max_length
-    if cfg.packing:
-        samples = total // length
-        offsets = np.arange(0, samples * length + 1, length, dtype="<i8")
-        targets = np.full(samples, length - 1, dtype="<i8")
-    else:
-        samples = len(lengths)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
-        targets = None
+    samples = len(lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
     if samples == 0:
-        raise DataError(f"data yields no samples of max_length {length}; add data or lower data.max_length")
+        raise DataError(f"data yields no samples; add data")
+    # Packing: whole samples (cut at max_length when tokenized) placed into max_length rows, decided here from
+    # the lengths alone, so the rows do not depend on how many ranks tokenized.
+    rows, row_samples = pack(lengths, length) if cfg.packing else (np.zeros(0, "<i8"), np.zeros(0, "<i8"))
     used = int(offsets[-1])
     os.makedirs(out, exist_ok=True)
     for name, width in (("tokens.bin", dtype.itemsize), ("trained.bin", 1)):
@@ -92,17 +89,17 @@ def assemble(parts: list, cfg: DataConfig, dtype: np.dtype, pad_id: int, vocab_s
             for piece in read(name):
                 sink.write(piece)
         sink.close()
+    for name, array in (("rows.bin", rows), ("row_samples.bin", row_samples)):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(array.astype("<i8").tobytes())
     with open(os.path.join(out, "offsets.bin"), "wb") as f:
         f.write(offsets.tobytes())
     with open(os.path.join(out, "targets.bin"), "wb") as f:
-        if targets is not None:
-            f.write(targets.tobytes())
-        else:
-            for read in parts:
-                for piece in read("targets.bin"):
-                    f.write(piece)
+        for read in parts:
+            for piece in read("targets.bin"):
+                f.write(piece)
     header = Header(dtype=dtype.str, samples=samples, tokens=used, max_length=length, pad_id=pad_id,
-                    vocab_size=vocab_size, identity=ident)
+                    vocab_size=vocab_size, identity=ident, rows=max(0, len(rows) - 1))
     with open(os.path.join(out, "header.json"), "wb") as f:
         f.write(header.to_json())
     return header

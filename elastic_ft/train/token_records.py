@@ -5,10 +5,10 @@ parsing them; anything else: ``datasets``, whose Arrow tables are memory-mapped)
 then a rank reads only its contiguous share, a batch of :data:`RECORD_BATCH`
 records at a time: no rank holds more than one batch as Python objects.
 A sample is BOS, the prompt, the response, EOS (or BOS, the text, EOS), cut at
-``max_length`` unless packing; only the response (or the whole text) is trained,
-exactly as the trainer did before the store. A conversation (``messages_field``)
-is the chat template's rendering, its assistant turns trained
-(:mod:`elastic_ft.train.chat`), cut likewise.
+``max_length`` (also when packing: samples are packed whole into rows later); only
+the response (or the whole text) is trained, exactly as the trainer did before the
+store. A conversation (``messages_field``) is the chat template's rendering, its
+assistant turns trained (:mod:`elastic_ft.train.chat`), cut likewise.
 
 Cost: one tokenizer pass over the rank's share; memory of one batch.
 """
@@ -182,8 +182,8 @@ def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> 
     """The token ids of each record and how many of its leading tokens are not trained.
 
     Records are numbered from ``first`` (0-based, across all files) for errors. A sample is BOS, the
-    prompt, the response, EOS (or BOS, the text, EOS), cut at ``max_length`` unless packing (then cut into
-    blocks later); a prompt is not trained.
+    prompt, the response, EOS (or BOS, the text, EOS), cut at ``max_length`` (packing places whole samples
+    into rows later: :mod:`elastic_ft.train.token_packing`); a prompt is not trained.
     """
     def texts(field: str) -> list[str]:
         values = columns[field]
@@ -195,7 +195,7 @@ def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> 
 
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     prefix = [bos] if bos is not None else []
-    cut = None if cfg.packing else cfg.max_length
+    cut = cfg.max_length
     if cfg.prompt_field:
         prompts, responses = texts(cfg.prompt_field), texts(cfg.response_field)
         samples = [prefix + p + r + [eos] for p, r in zip(prompts, responses)]
@@ -203,9 +203,8 @@ def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> 
     else:
         samples = [prefix + ids + [eos] for ids in texts(cfg.text_field)]
         untrained = [0] * len(samples)
-    if cut is not None:
-        samples = [s[:cut] for s in samples]
-        untrained = [min(u, cut) for u in untrained]
+    samples = [s[:cut] for s in samples]
+    untrained = [min(u, cut) for u in untrained]
     return samples, untrained
 
 

@@ -12,14 +12,24 @@ On disk a store is one directory of raw little-endian arrays and a JSON header
 - ``targets.bin``: ``int64`` per sample, its positions that count in the loss
   after the causal shift (its trained tokens but the first position), so a
   step's global token count needs no pass over its tokens;
+- ``rows.bin`` and ``row_samples.bin`` (``int64``; empty unless ``data.packing``): packed row ``r`` holds
+  the samples ``row_samples[rows[r]:rows[r+1]]`` (:mod:`elastic_ft.train.token_packing`);
 - ``header.json``: the format, dtype, counts and the data settings' digest.
+
+An *item* is what the cursor deals: a sample, or with packing a packed row
+(every sample in exactly one). ``len(store)`` and the indices every method
+takes count items.
 
 Every rank maps the files read-only (``numpy.memmap``): opening costs a few
 system calls whatever the dataset's size, and the pages of a micro-batch are
 read when it is cut, shared by every rank of the node through the page cache.
 A micro-batch is padded to its own longest sample rounded up to a multiple of
 8 (:func:`padded_length`), never beyond ``max_length``: padding costs what the
-batch's own lengths cost, not ``max_length`` per sample.
+batch's own lengths cost, not ``max_length`` per sample. A packed row's samples
+each restart their position ids at 0, and the first label of each is ``IGNORE``
+(after the causal shift no position is trained to predict the next sample's
+first token); attention is kept inside a sample by those position ids (the
+model's mask is built from them: see :func:`batch`).
 
 Cost: open O(1); a micro-batch O(its tokens); a step's token counts O(its samples).
 Building and committing a store is :mod:`elastic_ft.train.token_build`'s.
@@ -34,12 +44,14 @@ import os
 import numpy as np
 import torch
 
-FORMAT = "elastic_ft.tokens/1"
+FORMAT = "elastic_ft.tokens/2"
+"""/2: rows.bin and row_samples.bin (packed rows of whole samples) joined the files; packing no longer cuts the
+concatenated tokens into blocks. Part of the identity, so a store of another format is never taken for one."""
 IGNORE = -100
 PAD_MULTIPLE = 8
 """Micro-batch lengths are rounded up to this: tensor-core and vectorised kernels like multiples of 8, and
 few distinct shapes keep allocator caches warm."""
-FILES = ("tokens.bin", "trained.bin", "offsets.bin", "targets.bin", "header.json")
+FILES = ("tokens.bin", "trained.bin", "offsets.bin", "targets.bin", "rows.bin", "row_samples.bin", "header.json")
 _OFFSET_DTYPE = np.dtype("<i8")
 _MASK_DTYPE = np.dtype("u1")
 
@@ -71,6 +83,8 @@ class Header:
     vocab_size: int
     identity: str
     """The store's content identity (:func:`elastic_ft.train.token_build.identity`)."""
+    rows: int = 0
+    """Packed rows (0: not packed, the items are the samples)."""
     format: str = FORMAT
 
     def to_json(self) -> bytes:
@@ -91,7 +105,7 @@ def read_header(directory: str) -> Header:
 
 
 class TokenStore:
-    """A store directory mapped read-only: the samples the trainer draws micro-batches from."""
+    """A store directory mapped read-only: the items (samples, or packed rows) the trainer draws micro-batches from."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -111,9 +125,13 @@ class TokenStore:
         self.trained = mapped("trained.bin", _MASK_DTYPE, h.tokens)
         self.offsets = mapped("offsets.bin", _OFFSET_DTYPE, h.samples + 1)
         self.targets = mapped("targets.bin", _OFFSET_DTYPE, h.samples)
+        self.packed = h.rows > 0
+        self.rows = mapped("rows.bin", _OFFSET_DTYPE, h.rows + 1 if self.packed else 0)
+        self.row_samples = mapped("row_samples.bin", _OFFSET_DTYPE, h.samples if self.packed else 0)
 
     def __len__(self) -> int:
-        return self.header.samples
+        """Items: packed rows when packed, else samples."""
+        return self.header.rows if self.packed else self.header.samples
 
     @property
     def lengths(self) -> np.ndarray:
@@ -125,45 +143,94 @@ class TokenStore:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         return self.tokens[start:end], self.trained[start:end]
 
+    def samples_of(self, items: list[int]) -> list[np.ndarray]:
+        """Per item, the samples it holds in order (int64): itself, or a packed row's samples."""
+        if not self.packed:
+            return [np.asarray([i], dtype=np.int64) for i in items]
+        return [np.asarray(self.row_samples[int(self.rows[r]):int(self.rows[r + 1])]) for r in items]
+
+    def _flat_samples(self, items: list[int]) -> np.ndarray:
+        """The samples of ``items``, repeats counted (O(the items' samples))."""
+        if not self.packed:
+            return np.asarray(items, dtype=np.int64)
+        return np.concatenate(self.samples_of(items)) if items else np.zeros(0, np.int64)
+
     def target_count(self, indices: list[int]) -> int:
-        """Loss positions (after the causal shift) of the samples ``indices``, repeats counted."""
-        return int(self.targets[np.asarray(indices, dtype=np.int64)].sum()) if indices else 0
+        """Loss positions (after the causal shift) of the items ``indices``, repeats counted."""
+        return int(self.targets[self._flat_samples(indices)].sum()) if indices else 0
 
     def real_tokens(self, indices: list[int]) -> int:
-        """Tokens of the samples ``indices`` (no padding), repeats counted."""
-        idx = np.asarray(indices, dtype=np.int64)
+        """Tokens of the items ``indices`` (no padding), repeats counted."""
+        idx = self._flat_samples(indices)
         return int((self.offsets[idx + 1] - self.offsets[idx]).sum()) if indices else 0
 
     def micro_lengths(self, indices: list[int]) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64)
-        return self.offsets[idx + 1] - self.offsets[idx]
+        """Tokens of each item (a packed row: its samples' sum)."""
+        if not self.packed:
+            idx = np.asarray(indices, dtype=np.int64)
+            return self.offsets[idx + 1] - self.offsets[idx]
+        return np.fromiter((int((self.offsets[s + 1] - self.offsets[s]).sum()) for s in self.samples_of(indices)),
+                           dtype=np.int64, count=len(indices))
 
-    def computed_tokens(self, micro_batches: list[list[int]]) -> int:
-        """Token positions the model computes for ``micro_batches`` (lists of sample indices): each padded
-        to :func:`padded_length` of its longest sample."""
+    def computed_tokens(self, micro_batches: list[list[int]], *, flat: bool = False) -> int:
+        """Token positions the model computes for ``micro_batches`` (lists of item indices), as :meth:`batch`
+        lays them out: each padded to :func:`padded_length` of its longest item, or with ``flat`` one row
+        of exactly its tokens."""
         total = 0
         for chunk in micro_batches:
             if chunk:
-                total += len(chunk) * padded_length(int(self.micro_lengths(chunk).max()), self.max_length)
+                lengths = self.micro_lengths(chunk)
+                total += int(lengths.sum()) if flat else len(chunk) * padded_length(int(lengths.max()), self.max_length)
         return total
 
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """The samples ``indices`` as ``input_ids``, ``labels`` and ``attention_mask`` (int64), right-padded
-        to :func:`padded_length` of the longest: pad id, ``IGNORE`` and 0 past each sample's end."""
+    def batch(self, indices: list[int], *, flat: bool = False) -> dict[str, torch.Tensor]:
+        """The items ``indices`` as int64 tensors, right-padded to :func:`padded_length` of the longest item:
+        pad id and ``IGNORE`` past each item's end.
+
+        Not packed: ``input_ids``, ``labels`` and ``attention_mask`` (0 on padding). Packed: ``input_ids``,
+        ``labels`` and ``position_ids`` restarting at 0 at each sample (and at the padding, which thus is a
+        sequence of its own), no ``attention_mask``: transformers then builds the causal mask block-diagonal
+        from the position ids (``masking_utils.find_packed_sequence_indices``: eager, sdpa, flex), and
+        flash-attention takes them as variable-length sequences, which it does only for a batch of one row:
+        with ``flat`` the items are laid end to end in one row with no padding at all.
+        """
+        if flat and not self.packed:
+            raise ValueError("batch: flat is for packed stores (unpacked samples have no position ids to keep apart)")
         n = len(indices)
+        groups = self.samples_of(indices)
         lengths = self.micro_lengths(indices)
-        width = padded_length(int(lengths.max()), self.max_length) if n else 0
-        ids = np.full((n, width), self.pad_id, dtype=np.int64)
-        labels = np.full((n, width), IGNORE, dtype=np.int64)
-        mask = np.zeros((n, width), dtype=np.int64)
-        for row, index in enumerate(indices):
-            tokens, trained = self.sample(index)
-            k = len(tokens)
-            ids[row, :k] = tokens
-            labels[row, :k] = np.where(trained.astype(bool), tokens.astype(np.int64), IGNORE)
-            mask[row, :k] = 1
+        if flat:
+            rows, width = (1 if n else 0), int(lengths.sum())
+        else:
+            rows, width = n, (padded_length(int(lengths.max()), self.max_length) if n else 0)
+        ids = np.full((rows, width), self.pad_id, dtype=np.int64)
+        labels = np.full((rows, width), IGNORE, dtype=np.int64)
+        extra = np.zeros((rows, width), dtype=np.int64)  # attention_mask, or position_ids
+        at = 0
+        for item, samples in enumerate(groups):
+            row = 0 if flat else item
+            if not flat:
+                at = 0
+            for index in samples.tolist():
+                tokens, trained = self.sample(index)
+                k = len(tokens)
+                ids[row, at:at + k] = tokens
+                labels[row, at:at + k] = np.where(trained.astype(bool), tokens.astype(np.int64), IGNORE)
+                if self.packed:
+                    # No position predicts a sample's first token from the previous sample (the causal shift
+                    # reads labels[t + 1]); a sample's own first label is never a target anyway.
+                    labels[row, at] = IGNORE
+                    extra[row, at:at + k] = np.arange(k)
+                else:
+                    extra[row, at:at + k] = 1
+                at += k
+            if self.packed and not flat:
+                extra[row, at:] = np.arange(width - at)
+        if not self.packed:
+            return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                    "attention_mask": torch.from_numpy(extra)}
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "attention_mask": torch.from_numpy(mask)}
+                "position_ids": torch.from_numpy(extra)}
 
 
 __all__ = ["FILES", "FORMAT", "Header", "IGNORE", "PAD_MULTIPLE", "StoreFormatError", "TokenStore",

@@ -46,13 +46,17 @@ def test_prompt_response_masks_the_prompt(tmp_path):
     assert (labels[:5] == data_mod.IGNORE).all() and d.target_count([0]) == 3
 
 
-def test_packing_makes_full_blocks(tmp_path):
+def test_packing_keeps_samples_whole_in_rows(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS])
-    d = data_mod.load(DataConfig(files=[path], packing=True, max_length=16), byte_tokenizer())
-    total = sum(len(t.encode()) + 2 for t in TEXTS)
-    assert len(d) == total // 16
-    batch = d.batch(list(range(len(d))))
-    assert bool(batch["attention_mask"].all()) and d.target_count(list(range(len(d)))) == 15 * len(d)
+    d = data_mod.load(DataConfig(files=[path], packing=True, max_length=64), byte_tokenizer())
+    # 46, 42 and 8 tokens (with bos and eos): best fit puts "Hello!" after the fox (18 free), not into the
+    # jugs' row (22 free); no sample is cut, none is split between rows.
+    assert len(d) == 2 and [s.tolist() for s in d.samples_of([0, 1])] == [[0, 2], [1]]
+    batch = d.batch([0, 1])
+    # Padded to 56 (the longest row, 54, to a multiple of 8): the padding restarts too, a sequence of its own.
+    assert batch["position_ids"][0].tolist() == list(range(46)) + list(range(8)) + list(range(2))
+    assert batch["labels"][0, 46] == data_mod.IGNORE  # the fox's last token is not trained to predict "Hello!"
+    assert d.target_count([0, 1]) == 45 + 7 + 41 and "attention_mask" not in batch
 
 
 def test_parquet_and_plain_text_files(tmp_path):

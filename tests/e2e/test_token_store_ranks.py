@@ -1,8 +1,8 @@
 """The token store built by the ranks of real torchrun worlds (gloo): each rank tokenizes its share and the
 leader concatenates the parts, so the files are byte-identical to a 1-process build whether 2 or 3 ranks
-built them, also with packing (whose blocks cross the shares' boundaries); a rank killed while building
-leaves no store in use and the next world finishes it; a store error on one rank stops every rank with
-one line naming it."""
+built them, also with packing (whose rows are decided from all samples' lengths, across the shares'
+boundaries); a rank killed while building leaves no store in use and the next world finishes it; a store
+error on one rank stops every rank with one line naming it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "token_store_ranks.py")
 def write_data(tmp_path) -> str:
     rng = np.random.default_rng(7)
     path = tmp_path / "d.jsonl"
-    # 301 records: the shares are uneven, and a packed block spans the boundaries between them.
+    # 301 records: the shares are uneven, and packed rows take samples of several shares.
     path.write_text("".join(json.dumps({"q": " ".join(rng.choice(WORDS, rng.integers(1, 15))),
                                         "a": " " + " ".join(rng.choice(WORDS, rng.integers(1, 10)))}) + "\n"
                             for _ in range(301)))

@@ -119,3 +119,19 @@ def test_status_tells_spot_preemptions_from_exits_on_sigterm():
     text = "\n".join(summary("r", events, None, committed=0, now=20.0))
     assert "preemptions: 1 (and 1 exit(s) on SIGTERM); nodes lost: 0; attempts cut short: 0" in text
     assert "left at step 3 on a terminate notice (attempt 1), state committed" in text
+
+
+def test_status_shows_padding_waste_from_the_steps_real_and_computed_tokens():
+    batches, _, _ = _two_attempts()
+    events = merge(batches)
+    assert "padding: no step reported its tokens yet" in summary("r", events, None, committed=0, now=1.0)
+    # Every step once, from the attempt that trained it last: attempt 1's steps 5 and 6 (retrained by
+    # attempt 2) are not counted twice.
+    for e in events:
+        if e["event"] == "step":
+            e.update(real_tokens=800, computed_tokens=1000 if e["attempt"] == 2 else 900)
+    text = "\n".join(summary("r", events, None, committed=0, now=1.0))
+    real, computed = 8 * 800, 4 * 900 + 4 * 1000
+    assert (f"padding: {computed / real:.3f} tokens computed per real token "
+            f"({100 * (computed - real) / computed:.1f} % of the computed tokens are padding; "
+            f"6,400 real, 7,600 computed over 8 steps)") in text

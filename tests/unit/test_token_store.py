@@ -51,8 +51,8 @@ def columns(rows, fields):
 def assert_same_samples(store, old):
     """Each stored sample is the old path's row without its padding: ids, labels and target count."""
     lengths = old["attention_mask"].sum(dim=1)
-    assert len(store) == len(lengths)
-    for i in range(len(store)):
+    assert store.header.samples == len(lengths)
+    for i in range(store.header.samples):
         ids, trained = store.sample(i)
         k = int(lengths[i])
         assert len(ids) == k, i
@@ -76,12 +76,17 @@ def test_demo_corpus_samples_equal_the_old_path_token_for_token(cache):
 
 @pytest.mark.parametrize("packing", [False, True], ids=["text", "packing"])
 def test_text_and_packed_samples_equal_the_old_path(cache, tmp_path, packing):
+    """Packing keeps every sample whole (cut at max_length like the unpacked path), never a block cut
+    across samples as the old packing did: its samples are the unpacked path's, token for token."""
     rows = [{"body": " ".join(r.values())} for r in varied_rows(60)]
     path = write_jsonl(tmp_path / "t.jsonl", rows)
-    cfg = DataConfig(files=[path], text_field="body", max_length=24, packing=packing)
+    cfg = DataConfig(files=[path], text_field="body", max_length=48, packing=packing)
     tok = byte_tokenizer()
     store = data_mod.load(cfg, tok)
-    assert_same_samples(store, old_tokenize(columns(rows, ["body"]), cfg, tok))
+    assert_same_samples(store, old_tokenize(columns(rows, ["body"]), dataclasses.replace(cfg, packing=False), tok))
+    if packing:  # packed rows of several samples each, every sample in exactly one
+        assert 1 <= len(store) < store.header.samples
+        assert sorted(store.row_samples.tolist()) == list(range(store.header.samples))
 
 
 def test_json_lines_streamed_and_parquet_through_datasets_give_the_same_samples(cache, tmp_path):
@@ -208,11 +213,12 @@ def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
 
     from elastic_ft.train.loop import step_tokens
 
-    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 10, 20, 45)])
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 45, 10, 20)])
     store = data_mod.load(DataConfig(files=[path], max_length=48), byte_tokenizer())
-    # Rank 0 is dealt samples 0, 1, 2 (micro-batches [0, 1] and [2]), rank 1 sample 3: 5, 12, 22, 47 tokens.
+    # Rank 0 is dealt samples 0, 1, 2 (5, 47, 12 tokens), rank 1 sample 3 (22). Grouped by length, rank 0's
+    # micro-batches are [1, 2] (47, 12: 2 x 48) and [0] (8), not [0, 1] (2 x 48) and [2] (16) in dealt order.
     plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
-    assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 16 + 24 + 48}
+    assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 48 + 8 + 24}
 
 
 def test_a_node_copy_altered_in_place_with_its_mtime_put_back_is_fetched_again_not_used(cache, tmp_path):
