@@ -49,12 +49,14 @@ def held_out(samples: int, fraction: float, seed: int) -> np.ndarray:
 
 
 class SampleView:
-    """Some of a :class:`TokenStore`'s samples, renumbered ``0 .. len - 1`` in store order: the interface the
-    step loop and the evaluation use (``len``, ``batch``, the token counts), each index mapped first."""
+    """Some of a :class:`TokenStore`'s items (samples, or packed rows with ``data.packing``: then whole rows
+    are held out), renumbered ``0 .. len - 1`` in store order: the interface the step loop and the
+    evaluation use (``len``, ``batch``, the token counts), each index mapped first."""
 
     def __init__(self, store: TokenStore, index: np.ndarray) -> None:
         self.store, self.index = store, np.ascontiguousarray(index, dtype=np.int64)
         self.header, self.max_length, self.pad_id = store.header, store.max_length, store.pad_id
+        self.packed = store.packed
 
     def __len__(self) -> int:
         return len(self.index)
@@ -74,11 +76,11 @@ class SampleView:
     def micro_lengths(self, indices: list[int]) -> np.ndarray:
         return self.store.micro_lengths(self._map(indices))
 
-    def computed_tokens(self, micro_batches: list[list[int]]) -> int:
-        return self.store.computed_tokens([self._map(c) for c in micro_batches])
+    def computed_tokens(self, micro_batches: list[list[int]], *, flat: bool = False) -> int:
+        return self.store.computed_tokens([self._map(c) for c in micro_batches], flat=flat)
 
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return self.store.batch(self._map(indices))
+    def batch(self, indices: list[int], *, flat: bool = False) -> dict[str, torch.Tensor]:
+        return self.store.batch(self._map(indices), flat=flat)
 
 
 def split(store: TokenStore, fraction: float, seed: int) -> tuple[SampleView, SampleView]:

@@ -66,6 +66,24 @@ def test_the_training_order_runs_over_the_training_samples_only(cache):
     assert train.target_count([0, 5]) == store.target_count([int(train.index[0]), int(train.index[5])])
 
 
+def test_with_packing_whole_packed_rows_are_held_out_and_the_views_give_the_stores_rows(cache):
+    """The split is over the store's items: with ``data.packing`` its packed rows; the views hand the step loop
+    and the evaluation the rows they map to, laid out as the store lays them (position ids per sample)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_spec(DEFAULT_SPEC).data, packing=True)
+    store = data_mod.load(cfg, model_mod.byte_tokenizer())
+    assert store.packed
+    train, held = heldout.split(store, 0.2, seed=1234)
+    assert train.packed and held.packed and len(train) + len(held) == len(store)
+    picked = [0, len(held) - 1]
+    ours, theirs = held.batch(picked), store.batch(held.index[picked].tolist())
+    assert ours.keys() == theirs.keys() and "position_ids" in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    rows = held.index[picked].tolist()
+    assert held.computed_tokens([picked], flat=True) == store.computed_tokens([rows], flat=True)
+
+
 def test_a_fraction_that_empties_a_side_is_one_line_naming_the_field(cache):
     store = data_mod.load(load_spec(DEFAULT_SPEC).data, model_mod.byte_tokenizer())
     with pytest.raises(DataError, match=r"^data\.eval_fraction: 1e-09 holds out no sample of the 1024 samples"):
