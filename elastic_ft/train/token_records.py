@@ -212,9 +212,10 @@ def encode_chat(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer
                 place=lambda index: f"data record {index + 1}") -> tuple[list[list[int]], list[list[int]]]:
     """The token ids of each record's conversation (``cfg.messages_field``) rendered with ``template``, and a
     0/1 trained mark per token (the assistant turns: :mod:`elastic_ft.train.chat`), cut at ``max_length``
-    unless packing. Records are numbered from ``first``; ``place(index)`` names one in an error."""
+    (also when packing: rows take whole samples). Records are numbered from ``first``; ``place(index)``
+    names one in an error."""
     field = cfg.messages_field
-    cut = None if cfg.packing else cfg.max_length
+    cut = cfg.max_length
     conversations = columns[field]
     for k, messages in enumerate(conversations):  # a parquet or hub row: JSON Lines were checked already
         if (problem := conversation_problem(messages, field)) is not None:

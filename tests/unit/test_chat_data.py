@@ -294,3 +294,15 @@ def test_a_rank_names_the_line_of_a_record_in_its_own_share(tmp_path):
     with pytest.raises(data_mod.DataError, match=rf"^data.files\[0\]:{BAD_LINE}: field 'messages': the chat "
                                                  rf"template cannot render it: no tool first; fix or remove"):
         tokenize_share(records, 30, 60, cfg, tok, token_dtype(len(tok)), str(tmp_path / "part-1"))
+
+
+def test_packed_conversations_are_cut_at_max_length_and_packed_whole(cache):
+    """With ``data.packing`` a conversation longer than ``max_length`` is cut like any sample (rows take whole
+    samples of at most ``max_length`` tokens), its marks with it; every conversation is in one row."""
+    cfg = DataConfig(files=[f"{REPO}/data/tiny-chat.jsonl"], messages_field="messages", max_length=64, packing=True)
+    store = data_mod.load(cfg, tokenizer())
+    assert store.packed
+    lengths = [len(store.sample(i)[0]) for i in range(store.header.samples)]
+    assert max(lengths) == 64 and store.header.samples == 48  # the corpus runs 37 .. 183 tokens a conversation
+    rows = sorted(int(s) for r in range(len(store)) for s in store.samples_of([r])[0])
+    assert rows == list(range(48))
