@@ -193,7 +193,7 @@ def test_whole_job_lost_and_started_again_with_the_same_command_then_again_once_
     assert c.events()[-1]["event"] == "end"
 
 
-def run_seeded(c: Cluster, reference: float, seed: int, count: int) -> None:
+def run_seeded(c: Cluster, reference: dict[int, float], seed: int, count: int) -> None:
     start_all(c)
     for action, index in chaos_plan(seed, count, len(c.nodes)):
         node = c.nodes[index]
