@@ -3,8 +3,9 @@
 # etcd3 and file:// checkpoints, each with its own local IMDS, a seeded random sequence of hard kills
 # (the agent's process tree), SIGTERMs to agents, spot notices served by a node's IMDS, silent nodes
 # (SIGSTOP, then killed) and returns; after each event the nodes still up must train again within
-# CHAOS_STALL_S seconds; at the end every sample is consumed exactly once, no corrupt checkpoint was met,
-# and the final loss is within 2e-3 of an uninterrupted run (see tests/chaos/test_chaos.py).
+# CHAOS_STALL_S seconds; once every node is back and their world committed a checkpoint (or the run
+# ended), every sample so far was consumed exactly once, no corrupt checkpoint was met, and the loss at
+# that step is within 2e-3 of an uninterrupted run's (see tests/chaos/test_chaos.py).
 #
 #   scripts/chaos.sh [--seed N] [--events N] [--stall-s S]     (defaults: seed 7, 8 events, 150 s)
 #

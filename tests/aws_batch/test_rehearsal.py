@@ -22,6 +22,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -240,33 +241,39 @@ def test_planned_batch_job_runs_here_loses_a_child_and_its_retry_rejoins(etcd, s
     # The children's spot watchers polled the IMDS they were given.
     assert imds.counts()[0] > 0, "no child asked the local IMDS for a token"
 
-    # On S3, through the project's own CLI: the newest committed checkpoint is the final step's, and it verifies.
-    ls = cli("ckpt", "ls", uri, env=env)
+    # On S3, through the project's own CLI. The commands only read the finished run: they run together, as
+    # several users could (each is mostly its own interpreter's start).
+    png = str(tmp_path / "run.png")
+    commands = {"ls": ("ckpt", "ls", uri), "verify": ("ckpt", "verify", uri), "events": ("events", uri),
+                "status": ("status", uri), "plot": ("plot", uri, "--out", png, "--width", "900", "--height", "600")}
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        running = {name: pool.submit(cli, *args, env=env) for name, args in commands.items()}
+        done = {name: proc.result() for name, proc in running.items()}
+    # The newest committed checkpoint is the final step's, and it verifies.
+    ls, verify = done["ls"], done["verify"]
     assert ls.returncode == 0, explain(ls)
     assert ls.stdout.splitlines()[-1].split()[0] == str(STEPS), ls.stdout
-    verify = cli("ckpt", "verify", uri, env=env)
     assert verify.returncode == 0 and f"checkpoint at step {STEPS} OK" in verify.stdout, explain(verify)
     lost_attempt = [e["attempt"] for e in log[:killed_at] if e["event"] == "start"][-1]
-    run_events_on_s3_survive_the_lost_leader(uri, env, log, lost_attempt, live)
-    plot_of_the_s3_run(uri, env, str(tmp_path / "run.png"))
+    run_events_on_s3_survive_the_lost_leader(uri, log, lost_attempt, live, done["events"], done["status"])
+    plot_of_the_s3_run(uri, png, done["plot"])
 
 
-def plot_of_the_s3_run(uri: str, env: dict[str, str], out: str) -> None:
+def plot_of_the_s3_run(uri: str, out: str, proc: subprocess.CompletedProcess) -> None:
     """``elastic-ft plot`` from the S3 location's events: every step, the lost node and the restarts marked."""
-    proc = cli("plot", uri, "--out", out, "--width", "900", "--height", "600", env=env)
     assert proc.returncode == 0, explain(proc)
     assert png_size(out) == (900, 600)
     assert f": {STEPS} steps, " in proc.stdout and "1 node_lost" in proc.stdout, proc.stdout
     assert f"from {uri}/events/" in proc.stdout, proc.stdout
 
 
-def run_events_on_s3_survive_the_lost_leader(uri: str, env: dict[str, str], log: list[dict], lost_attempt: int,
-                                             live: subprocess.CompletedProcess) -> None:
+def run_events_on_s3_survive_the_lost_leader(uri: str, log: list[dict], lost_attempt: int,
+                                             live: subprocess.CompletedProcess, out: subprocess.CompletedProcess,
+                                             status: subprocess.CompletedProcess) -> None:
     """``elastic-ft events`` and ``status`` on the S3 location: what the leaders shipped there, the lost one's
     included, has every step once (the ledger proves every sample once from it alone) and the node loss."""
     assert live.returncode == 0, explain(live)
     assert f"world: {NODES} rank(s) on {NODES} node(s) (rendezvous round" in live.stdout, live.stdout
-    out = cli("events", uri, env=env)
     assert out.returncode == 0, explain(out)
     shipped = [json.loads(line) for line in out.stdout.splitlines()]
     for name in ("step", "step_done"):
@@ -282,7 +289,6 @@ def run_events_on_s3_survive_the_lost_leader(uri: str, env: dict[str, str], log:
     assert [e["step"] for e in lost if e["event"] == "step"] == list(range(began + 1, resumed + 1)), (began, resumed)
     assert len([e for e in shipped if e["event"] == "node_lost"]) == 1
     assert [e["event"] for e in shipped].count("end") == 1 and shipped[-1]["event"] == "end"
-    status = cli("status", uri, env=env)
     assert status.returncode == 0, explain(status)
     assert f"steps: {STEPS} of {STEPS} (100.0 %); finished" in status.stdout, status.stdout
     assert "nodes lost: 1;" in status.stdout and "  node lost: " in status.stdout, status.stdout

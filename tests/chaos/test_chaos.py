@@ -6,10 +6,13 @@ node's local IMDS: the node commits and leaves with status 75), silent nodes
 (the tree SIGSTOPped, killed once the others train again) and returns; after every
 event the nodes still up must train again within a bound (a generous deadline
 waited on, ``CHAOS_STALL_S``), and at the end: every sample consumed exactly
-once (ledger), no corrupt checkpoint met on any resume, and the final loss
-within 2e-3 (absolute, on ~5.0) of an uninterrupted run of the same spec and
-global batch at world 1 (constant_global: the same samples and LR, so the same
-model up to the order of float sums).
+once (ledger), no corrupt checkpoint met on any resume, and the loss within
+2e-3 (absolute, on ~5.0) of an uninterrupted run of the same spec and global
+batch at world 1 (constant_global: the same samples and LR, so the same model
+up to the order of float sums). The loss is compared at the first checkpoint
+the whole world commits after the last node came back, not at the run's end:
+the steps after it, at world 4 on 2 cores, would only add a minute per test
+(the run's end after a restart is the whole-job test's, which trains to it).
 
 The sequences that stalled on the code of issue 11 are fixed tests here:
 a node killed, started again and killed again within seconds, and a whole
@@ -62,25 +65,27 @@ def cluster(etcd, tmp_path, request):
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory) -> dict[int, float]:
-    """Steps -> the final loss of the same spec and global batch trained without interruption (world 1, this
-    process), filled by :func:`reference_of`: one run per length, for the whole module."""
+def reference_losses(tmp_path_factory) -> dict[int, dict[int, float]]:
+    """Run length -> {step: loss} of the same spec and global batch trained without interruption (world 1,
+    this process), filled by :func:`reference_of`: one run per length, for the whole module."""
     return {}
 
 
-def reference_of(losses: dict[int, float], tmp_path_factory, steps: int = STEPS) -> float:
+def reference_of(losses: dict[int, dict[int, float]], tmp_path_factory, steps: int = STEPS) -> dict[int, float]:
+    """The loss at each step of the uninterrupted run of ``steps`` steps (the LR schedule depends on the length)."""
     if steps not in losses:
         root = str(tmp_path_factory.mktemp("reference"))
         assert train(root, "ref", *overrides(steps)) == 0
         from elastic_ft.runevents.events import read_events
 
         events = read_events(os.path.join(root, "ref", "logs", "events.jsonl"))
-        losses[steps] = next(e["loss"] for e in reversed(events) if e["event"] == "step")
+        losses[steps] = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+        assert sorted(losses[steps]) == list(range(1, steps + 1))
     return losses[steps]
 
 
 @pytest.fixture
-def reference_loss(reference_losses, tmp_path_factory) -> float:
+def reference_loss(reference_losses, tmp_path_factory) -> dict[int, float]:
     return reference_of(reference_losses, tmp_path_factory)
 
 
@@ -96,22 +101,53 @@ def trains_again(c: Cluster, since: float, what: str) -> None:
                what=f"training again after {what}", on_timeout=c.tails)
 
 
-def finish(c: Cluster, reference: float, steps: int = STEPS) -> list[dict]:
-    """Bring every node back, wait for the end; the run's exactness checks."""
+def rejoined_and_committed(c: Cluster, since: float) -> tuple[int, int] | None:
+    """(event index of the round, step) once a round of every node, started after ``since``, committed a
+    checkpoint past the step it resumed from, with that step's loss and the ledger up to it logged; None before."""
+    log = c.events()
+    world = sum(node.nproc for node in c.nodes)
+    first = next((i for i, e in enumerate(log) if e["event"] == "start" and e["ts"] > since and e["world"] == world),
+                 None)
+    if first is None:
+        return None
+    attempt = log[first]["attempt"]
+    ours = [e for e in log[first:] if e.get("attempt") == attempt]
+    resumed = next((e["step"] for e in ours if e["event"] == "resume_plan"), None)
+    for e in ours:
+        if e["event"] == "checkpoint_committed" and resumed is not None and e["step"] > resumed:
+            step = e["step"]
+            if (any(x["event"] == "step" and x["step"] == step for x in ours)
+                    and any(x["event"] == "ledger" and x["step"] == step - 1 for x in ours)):
+                return first, step
+    return None
+
+
+def finish(c: Cluster, reference: dict[int, float], steps: int = STEPS, *, to_end: bool = False) -> list[dict]:
+    """Bring every node back; the run's exactness checks at the first checkpoint the whole world commits
+    after that (or, ``to_end``, at the run's end; also where the run ended first)."""
+    t = time.time()
     for node in c.nodes:
         if not node.running:
             c.start(node)
-    wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)
+    if to_end:
+        wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)
+        upto = steps
+    else:
+        found = wait_until(lambda: rejoined_and_committed(c, t) or c.finished(), timeout=FINISH_S, interval=0.5,
+                           what="a checkpoint of the world of every node", on_timeout=c.tails)
+        upto = steps if found is True else found[1]
     events = c.events()
     plans = [e for e in events if e["event"] == "resume_plan"]
     assert all(p["skipped"] == [] for p in plans), [p["skipped"] for p in plans]  # no torn checkpoint met
     assert not [e for e in events if e["event"] == "resume_failed"]
     history = replay(events)
-    assert sorted(history) == list(range(steps))
+    ended = upto == steps
+    assert (sorted(history) if ended else sorted(history)[:upto]) == list(range(upto)), sorted(history)
     assert check_exactly_once(history, 1024) == []
-    final = next(e for e in reversed(events) if e["event"] == "step")
-    assert final["step"] == steps and math.isclose(final["loss"], reference, abs_tol=LOSS_TOLERANCE), \
-        (final["loss"], reference)
+    # The newest attempt's loss at that step (an earlier attempt may have logged it before a rollback).
+    final = next(e for e in reversed(events) if e["event"] == "step" and e["step"] == upto)
+    assert math.isclose(final["loss"], reference[upto], abs_tol=LOSS_TOLERANCE), (upto, final["loss"],
+                                                                                   reference[upto])
     return events
 
 
@@ -146,7 +182,7 @@ def test_whole_job_lost_and_started_again_with_the_same_command_then_again_once_
     for node in c.nodes:
         c.start(node)
     trains_again(c, t, "the whole job's restart")
-    events = finish(c, reference, WHOLE_JOB_STEPS)
+    events = finish(c, reference, WHOLE_JOB_STEPS, to_end=True)
     assert [e for e in events if e["event"] == "resume_plan"][-1]["step"] > 0
     for node in c.nodes:
         assert node.agent.wait(120) == 0, node.agent.tail()
@@ -157,7 +193,7 @@ def test_whole_job_lost_and_started_again_with_the_same_command_then_again_once_
     assert c.events()[-1]["event"] == "end"
 
 
-def run_seeded(c: Cluster, reference: float, seed: int, count: int) -> None:
+def run_seeded(c: Cluster, reference: dict[int, float], seed: int, count: int) -> None:
     start_all(c)
     for action, index in chaos_plan(seed, count, len(c.nodes)):
         node = c.nodes[index]

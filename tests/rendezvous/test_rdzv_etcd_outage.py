@@ -27,9 +27,9 @@ from elastic_ft.rendezvous.handler import create_handler
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
 # The outage of the issue was three times the client's default 30 s retry_timeout (90 s);
-# the agents here give up on etcd after 5 s, so the same ratio takes 15 s. What the
-# outage defeats is the client's retry_timeout, whatever its length.
-RETRY_TIMEOUT_S = 5
+# the agents here give up on etcd after 3 s (as in test_rdzv_multinode), so the same ratio
+# takes 9 s. What the outage defeats is the client's retry_timeout, whatever its length.
+RETRY_TIMEOUT_S = 3
 OUTAGE_S = 3 * RETRY_TIMEOUT_S
 STEP_TIME = 1.0
 # Startup, two outages and the checks after each, with a margin: the job must

@@ -110,9 +110,11 @@ def test_node_joins_running_job_then_another_node_is_lost(etcd, run_id, tmp_path
     One job for both directions: each world change costs a worker restart, and
     the suite must stay within a few minutes on 2 cores.
     """
-    # Enough steps that the job is still running when the joiner's torchrun is up.
+    # Enough steps that the job is still running when the joiner's torchrun is up (a bound only: the test
+    # ends the job with the stop file once the survivor trained at world size 1 after the loss).
     steps = 60
-    start = dict(nproc=1, nnodes="1:2", steps=steps, step_time=0.3)
+    stop_file = tmp_path / "stop"
+    start = dict(nproc=1, nnodes="1:2", steps=steps, step_time=0.3, job_args=("--stop-file", str(stop_file)))
     agents = [torchrun_agent(etcd.endpoint, run_id, tmp_path, name="first", **start)]
     try:
         wait_for(lambda: len(steps_with_world(tmp_path, 1)) >= 2, 180,
@@ -128,12 +130,17 @@ def test_node_joins_running_job_then_another_node_is_lost(etcd, run_id, tmp_path
         # (a survivor) writes steps at world size 2 until the kill, several while
         # the test is descheduled between a read and the kill; after it, at most
         # the one whose all_reduce had completed (the "+ 1" below).
-        step_at_kill = lose_node(victim, survivors, timeout=240,
-                                 observe=lambda: read_jsonl(tmp_path / "steps.jsonl")[-1]["step"])
+        victim.kill_tree()
+        step_at_kill = read_jsonl(tmp_path / "steps.jsonl")[-1]["step"]
+        wait_for(lambda: len([r for r in steps_with_world(tmp_path, 1) if r["step"] > step_at_kill + 1]) >= 2, 240,
+                 "two steps at world size 1 after the loss", survivors)
+        stop_file.touch()  # the shrink is behind and checked below: the rest of the steps proves nothing more
+        for agent in survivors:
+            assert agent.wait(timeout=240) == 0, agent.tail()
     finally:
         stop_leftovers(agents)
     records = read_jsonl(tmp_path / "steps.jsonl")
-    assert_ran_every_step(records, steps)
+    assert_ran_every_step(records, records[-1]["step"])
     worlds = [r["world_size"] for r in records]
     # 1, then 2 after the join, then 1 after the loss; never anything else.
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
