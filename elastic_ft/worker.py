@@ -54,6 +54,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     from elastic_ft.train.loop import RunAborted, RunOptions, run
     from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from elastic_ft.train.quantization import keep_bitsandbytes_out
 
     logging.basicConfig(
         level=os.environ.get("ELASTIC_FT_LOG_LEVEL", "INFO"),
@@ -63,6 +64,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         check_uri(args.checkpoint_uri)  # as typed, before any work: joined with the run id it reads garbled
         spec = load_spec(args.spec, args.overrides)
+        keep_bitsandbytes_out(spec.quantization)  # before peft is imported (the model's build)
         run_id = args.run_id or spec.name
         log_dir = args.log_dir or events_dir(args.checkpoint_uri, run_id, template=spec.logging.dir)
         run(spec, RunOptions(run_id=run_id, checkpoint_uri=args.checkpoint_uri, log_dir=log_dir))

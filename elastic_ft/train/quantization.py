@@ -8,9 +8,24 @@ Costs: each function is one pass over the model's modules or weights (grows with
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from elastic_ft.config import QuantizationConfig
+
+
+def keep_bitsandbytes_out(q: QuantizationConfig) -> None:
+    """In a process whose base is not 4-bit, make bitsandbytes unimportable before anything imports peft.
+
+    peft imports bitsandbytes whenever it is installed (the ``qlora`` extra), and bitsandbytes imports
+    torch's inductor: 1.5 s more of every worker start here, paid at every restart by runs that never
+    quantize. ``None`` in ``sys.modules`` is the import system's own "not importable" entry: ``import``
+    raises ModuleNotFoundError and ``importlib.util.find_spec`` answers None, which is how peft and
+    transformers ask. A process-wide choice, so only the worker's entry point makes it (in-process tests
+    build several specs), and never once bitsandbytes is loaded."""
+    if not q.load_in_4bit and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
 def bnb_config(q: QuantizationConfig):

@@ -199,3 +199,32 @@ def test_bfloat16_dequantization_on_a_gpu_without_it_names_the_field():
     assert quantization.device_problem(q, "cuda", bf16_supported=True) is None
     fp16 = load_spec(DEFAULT_SPEC, [*Q4, "quantization.compute_dtype=float16"]).quantization
     assert quantization.device_problem(fp16, "cuda", bf16_supported=False) is None
+
+
+BNB_PROBE = """
+import sys
+import elastic_ft.train.loop as loop
+
+seen = {}
+loop.run = lambda spec, opts: seen.setdefault("bnb", sys.modules.get("bitsandbytes", "absent"))
+from elastic_ft.worker import main
+
+main(["--spec", sys.argv[1], "--checkpoint_uri", "file://" + sys.argv[2], *sys.argv[3:]])
+import peft.import_utils
+
+print("hidden" if seen["bnb"] is None else "importable", peft.import_utils.is_bnb_available())
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("overrides, expected", [([], "hidden False"),
+                                                 (["quantization.load_in_4bit=true"], "importable True")])
+def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, overrides, expected):
+    """peft imports bitsandbytes whenever it is installed (1.5 s of every worker start, torch's inductor
+    with it): the worker's entry point makes it unimportable for a spec that does not quantize, before the
+    model's build imports peft; a Q-LoRA spec keeps it."""
+    done = subprocess.run([sys.executable, "-c", BNB_PROBE, DEFAULT_SPEC, str(tmp_path), *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == expected
