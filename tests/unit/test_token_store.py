@@ -333,3 +333,23 @@ def test_lost_builds_parts_go_only_with_a_commit_and_never_the_committed_blobs(c
     assert {f"tokens/{ident}/{ref['key']}" for ref in manifest["blobs"].values()} <= keys
     shutil.rmtree(cache / "tokens" / ident)
     assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+
+
+def test_a_corrupt_parquet_file_is_refused_in_one_printable_line(cache, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elastic_ft.train.datafiles import DataError
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"t": ["a" * 50] * 200}), str(good), compression="NONE")
+    data = bytearray(good.read_bytes())
+    data[8: len(data) // 2] = b"\xff" * (len(data) // 2 - 8)  # the pages and the footer's start overwritten
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(data))
+    cfg = DataConfig(files=[str(bad)], text_field="t", max_length=32)
+    with pytest.raises(DataError) as err:
+        data_mod.load_with_report(cfg, byte_tokenizer(), store=_run_store(tmp_path), run_id="r")
+    line = str(err.value)
+    assert "data.files" in line and "bad.parquet" in line and "could not be read as parquet" in line
+    assert line.isprintable(), repr(line)  # no newline, no raw byte of the file
