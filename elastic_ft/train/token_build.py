@@ -100,7 +100,7 @@ import time
 import uuid
 
 from elastic_ft.checkpoint.errors import ObjectNotFound, StoreError
-from elastic_ft.checkpoint.manifest import ManifestError, manifest_key
+from elastic_ft.checkpoint.manifest import ManifestCorrupt, ManifestForeign, manifest_key
 from elastic_ft.checkpoint.prefixed import PrefixedStore
 from elastic_ft.checkpoint.reader import read_manifest
 from elastic_ft.checkpoint.store import ObjectStore
@@ -110,7 +110,7 @@ from elastic_ft.train import chat
 from elastic_ft.train.datafiles import DataError, check_files
 from elastic_ft.train.faults import Injector
 from elastic_ft.train.token_files import (
-    StoreTorn, assemble, blob_name, local_reader, localize, locked, mark_verified, replace_dir, scratch,
+    StoreTorn, assemble, blob_name, blobs_digest, content_digest, install, local_reader, localize, locked, scratch,
     store_reader, sweep_scratch, upload_files,
 )
 from elastic_ft.train.token_identity import FileDigests, data_format, identity, token_settings, tokenizer_fingerprint
@@ -132,16 +132,26 @@ class Built:
     seconds: float
 
 
-def _committed(sub: ObjectStore, run_id: str):
-    """The committed store's manifest, or None (absent, or corrupt: then it is retired and rebuilt)."""
+def _read(sub: ObjectStore, run_id: str):
+    """The committed store's manifest (:class:`ObjectNotFound` if none). One of another run or format is a
+    hard stop naming its key: the run's location holds what this run did not write, so nothing there is
+    retired or rebuilt over (:class:`DataError`, one line)."""
     key = manifest_key(0)
     try:
         return read_manifest(sub, key, run_id=run_id)
+    except ManifestForeign as exc:
+        raise DataError(f"token store {sub.uri}/{key}: {' '.join(str(exc).split())}") from exc
+
+
+def _committed(sub: ObjectStore, run_id: str):
+    """The committed store's manifest, or None (absent, or corrupt: then it is retired and rebuilt)."""
+    try:
+        return _read(sub, run_id)
     except ObjectNotFound:
         return None
-    except ManifestError as exc:
+    except ManifestCorrupt as exc:  # only a broken manifest: a foreign one stopped in _read
         log.warning("token store: %s; building it again", exc)
-        retire(sub, key, str(exc))
+        retire(sub, manifest_key(0), str(exc))
         return None
 
 
@@ -222,14 +232,19 @@ def _assemble_and_commit(world, sub, writer, parts, cfg, dtype, tokenizer, vocab
     faults.maybe_kill_build(rank=world.rank, point="commit")
     try:
         manifest = writer.commit_manifest(snap, blobs)
-    except CheckpointConflict:  # another job committed the same store first: its bytes are the same
-        manifest = read_manifest(sub, manifest_key(0), run_id=writer.run_id)
+    except CheckpointConflict:
+        # Another writer of this run (a duplicate job, a world that outlived its successor's start)
+        # committed the store first. The store is content-addressed (its identity names the data, tokenizer
+        # and settings), so that store is this one: adopted, and verified like any committed store when a
+        # node copies it. A manifest of another run there is a hard stop (_read), never adopted.
+        manifest = _read(sub, writer.run_id)
     _remove_orphans(sub, manifest)
-    # The leader's node keeps the assembled files: they are the committed bytes (hashed as they went up).
-    with locked(os.path.join(node_root, ident) + ".lock"):
-        if manifest.writer == writer.writer_token:
-            replace_dir(out, os.path.join(node_root, ident))
-            mark_verified(os.path.join(node_root, ident), manifest)
+    # The leader's node keeps the assembled files when they are the committed bytes (hashed as they went
+    # up): ours, or another writer's of the same content. A copy already verified as those bytes (another
+    # run on this node with the same data) is kept, not replaced under whoever maps it.
+    if content_digest(manifest) == blobs_digest(blobs):
+        with locked(os.path.join(node_root, ident) + ".lock"):
+            install(out, os.path.join(node_root, ident), manifest)
     return manifest
 
 

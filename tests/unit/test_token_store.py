@@ -353,3 +353,84 @@ def test_a_corrupt_parquet_file_is_refused_in_one_printable_line(cache, tmp_path
     line = str(err.value)
     assert "data.files" in line and "bad.parquet" in line and "could not be read as parquet" in line
     assert line.isprintable(), repr(line)  # no newline, no raw byte of the file
+
+
+def test_runs_with_the_same_data_share_the_node_copy_without_hashing_or_replacing_it(cache, tmp_path, monkeypatch):
+    """An LR sweep: two runs (own run ids and locations) of the same data build their own committed stores
+    (other writer and time, same bytes) that name one node copy. The second run's build and load, and a
+    restart of either run, hash nothing and never replace the copy the first run maps."""
+    from elastic_ft.train import token_files
+
+    hashed: list[str] = []
+    real = token_files.verify_file
+
+    def counting(path, refs):
+        hashed.append(path)
+        return real(path, refs)
+
+    monkeypatch.setattr(token_files, "verify_file", counting)
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    first = LocalStore(str(tmp_path / "runs" / "lr-1"))
+    second = LocalStore(str(tmp_path / "runs" / "lr-2"))
+    mapped, report = data_mod.load_with_report(cfg, tok, store=first, run_id="lr-1")
+    expected = np.array(mapped.tokens)
+    copy = cache / "tokens" / report.identity / "tokens.bin"
+    inode = os.stat(copy).st_ino
+    store2, report2 = data_mod.load_with_report(cfg, tok, store=second, run_id="lr-2")
+    assert report2.built and report2.identity == report.identity  # its own committed store, same identity
+    assert os.stat(copy).st_ino == inode  # the copy the first run maps was kept, not replaced
+    assert np.array_equal(np.array(store2.tokens), expected)
+    for store, run_id in ((first, "lr-1"), (second, "lr-2"), (first, "lr-1")):  # restarts of either run
+        again, rep = data_mod.load_with_report(cfg, tok, store=store, run_id=run_id)
+        assert not rep.built and np.array_equal(np.array(again.tokens), expected)
+    assert hashed == []
+    assert os.stat(copy).st_ino == inode
+
+
+def test_a_manifest_of_another_run_is_a_hard_stop_never_retired(cache, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    ident = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].identity
+    manifests = tmp_path / "runs" / "r" / "tokens" / ident / "manifests"
+    before = sorted(os.listdir(manifests))
+    with pytest.raises(data_mod.DataError) as err:
+        data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="another")
+    line = str(err.value)
+    assert "\n" not in line and f"tokens/{ident}" in line and "belongs to run 'r'" in line
+    assert sorted(os.listdir(manifests)) == before  # nothing retired, nothing rebuilt over it
+    assert not (tmp_path / "runs" / "r" / "tokens" / ident / "quarantine").exists()
+
+
+def test_a_store_another_writer_of_the_run_committed_first_is_adopted(cache, tmp_path, monkeypatch):
+    """Two jobs of one run build the same store; the other commits first. Its store is this one (same
+    identity, same bytes): adopted, and the leader's node keeps its assembled copy without hashing it."""
+    from elastic_ft.checkpoint.writer import CheckpointWriter
+    from elastic_ft.train import token_build, token_files
+
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    donor = tmp_path / "donor"
+    ident = data_mod.load_with_report(cfg, tok, store=LocalStore(str(donor)), run_id="r")[1].identity
+    expected = np.array(data_mod.load(cfg, tok, store=LocalStore(str(donor)), run_id="r").tokens)
+    shutil.rmtree(cache)
+    run = tmp_path / "runs" / "r"
+    real_commit = CheckpointWriter.commit_manifest
+
+    def other_job_first(self, snap, blobs):  # the other job's whole store lands just before our commit
+        shutil.copytree(donor / "tokens" / ident, run / "tokens" / ident, dirs_exist_ok=True)
+        return real_commit(self, snap, blobs)
+
+    monkeypatch.setattr(token_build.CheckpointWriter, "commit_manifest", other_job_first)
+    hashed: list[str] = []
+    real_verify = token_files.verify_file
+    monkeypatch.setattr(token_files, "verify_file", lambda p, refs: hashed.append(p) or real_verify(p, refs))
+    store, report = data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")
+    assert report.built and np.array_equal(np.array(store.tokens), expected)
+    manifests = os.listdir(run / "tokens" / ident / "manifests")
+    assert len(manifests) == 1 and hashed == []
+    monkeypatch.setattr(token_build.CheckpointWriter, "commit_manifest", real_commit)
+    assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
