@@ -434,3 +434,31 @@ def test_a_store_another_writer_of_the_run_committed_first_is_adopted(cache, tmp
     assert len(manifests) == 1 and hashed == []
     monkeypatch.setattr(token_build.CheckpointWriter, "commit_manifest", real_commit)
     assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+
+
+def test_local_ranks_starting_at_once_hash_a_data_file_once_and_keep_every_digest(tmp_path):
+    """Two ranks of a node read files.json before either wrote it: the second finds the first's digest
+    (under the node lock, read again) instead of hashing the file again, and its save keeps the first's."""
+    from elastic_ft.train.token_identity import FileDigests
+
+    a, b = write_jsonl(tmp_path / "a.jsonl", varied_rows(5)), write_jsonl(tmp_path / "b.jsonl", varied_rows(5, 1))
+    record = str(tmp_path / "node" / "files.json")
+    rank0, rank1 = FileDigests(record), FileDigests(record)
+    opened: list[str] = []
+    watched = {os.path.realpath(a)}
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and \
+                os.path.realpath(os.fsdecode(args[0])) in watched:
+            opened.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(hook)  # cannot be removed; it only appends to this test's list
+    try:
+        digest_a = rank0.digest(a)
+        assert len(opened) == 1
+        assert rank1.digest(a) == digest_a and len(opened) == 1  # not hashed a second time
+        rank1.digest(b)
+    finally:
+        watched = set()
+    known = json.loads((tmp_path / "node" / "files.json").read_text())
+    assert set(known) == {os.path.realpath(a), os.path.realpath(b)}
