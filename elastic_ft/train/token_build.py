@@ -91,6 +91,7 @@ the same shares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -201,15 +202,20 @@ def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str
     writer = CheckpointWriter(sub, run_id)
     # One name for the build's parts, the leader's: a failed build's parts are found under it.
     nonce = broadcast_from_leader(world, uuid.uuid4().hex[:12])
-    vocab = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
-    dtype = token_dtype(vocab)
     faults = Injector.from_env()
-    sweep_scratch(node_root)  # what the ranks of a lost build left on this node
-    with scratch(node_root, f".build-{nonce}-{world.rank}") as work:
+    with contextlib.ExitStack() as held:
+        got: dict = {}
+
         def tokenize():
+            # Everything a rank may fail alone is in this exchanged step: the vocabulary's type, the node's
+            # disk (a full or unwritable node cache), the data and the store.
+            got["vocab"] = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
+            got["dtype"] = token_dtype(got["vocab"])
+            sweep_scratch(node_root)  # what the ranks of a lost build left on this node
+            got["work"] = work = held.enter_context(scratch(node_root, f".build-{nonce}-{world.rank}"))
             records = Records(cfg, fmt)
             lo, hi = share(records.count, world.rank, world.size)
-            tokenize_share(records, lo, hi, cfg, tokenizer, dtype, os.path.join(work, "part"))
+            tokenize_share(records, lo, hi, cfg, tokenizer, got["dtype"], os.path.join(work, "part"))
             faults.maybe_kill_build(rank=world.rank, point="share")
             if world.is_leader:
                 return None
@@ -217,7 +223,8 @@ def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str
 
         parts = _together(world, "build (tokenizing the shares)", tokenize)
         return _together(world, "build (assembling and committing)", lambda: _assemble_and_commit(
-            world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults), leader_only=True)
+            world, sub, writer, parts, cfg, got["dtype"], tokenizer, got["vocab"], ident, got["work"], node_root,
+            faults), leader_only=True)
 
 
 def _assemble_and_commit(world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults):
@@ -286,9 +293,9 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     t0 = time.monotonic()
     node_root = os.path.join(node_cache, "tokens")
     fmt = _together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
-    template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
 
     def name() -> str:
+        template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
         digests = FileDigests(os.path.join(node_root, "files.json"))
         extra = ""
         local = dataset_files(cfg)
