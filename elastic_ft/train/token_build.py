@@ -17,7 +17,8 @@ does, and every byte is checked against it when it lands on a node.
    node's record of (path, size, mtime, inode) -> sha256, so a restart reads no
    data file; a file whose stat changed is hashed again. A ``data.dataset`` that
    is a local directory is named by its files' contents the same way; a hub
-   dataset by the fingerprint ``datasets`` gives it.
+   dataset by the fingerprint ``datasets`` gives it, loaded by the leader alone
+   and shared, so the other ranks of a restart do not load the dataset.
 2. The leader reads the manifest and tells the others. None: the world builds
    it. Each rank tokenizes a contiguous share of the records, streamed (no rank
    holds more than a batch of records as Python objects), into part files; the
@@ -287,12 +288,28 @@ def _node_copy(sub: ObjectStore, manifest, node_root: str, ident: str) -> tuple[
         return str(exc), None
 
 
+def _hub_fingerprint(cfg: DataConfig, fmt: str | None) -> str:
+    """The fingerprint ``datasets`` gives a hub ``data.dataset`` ("" for a local directory with files: those
+    name it)."""
+    if dataset_files(cfg):
+        return ""
+    return getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
+
+
 def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, tokenizer, node_cache: str) -> tuple[TokenStore, Built]:
     """The run's token store for ``cfg`` and ``tokenizer``, mapped on this rank (built by the world if it
     is not committed yet). Called by every rank alike; ``cfg.files`` are local paths."""
     t0 = time.monotonic()
     node_root = os.path.join(node_cache, "tokens")
     fmt = _together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
+
+    # A hub dataset is named by the fingerprint `datasets` gives what it loaded: the leader loads it (at
+    # every start: the fingerprint follows the hub's revision) and tells the others, so the other ranks of a
+    # restart with a committed store never load the dataset (a ``data.dataset`` that is a local directory is
+    # named by its files' contents on every rank, below). Every rank takes this step when data.dataset is set
+    # (the same config on all), whatever its disk shows.
+    hub = _together(world, "hub dataset's fingerprint", lambda: _hub_fingerprint(cfg, fmt),
+                    leader_only=True) if cfg.dataset else ""
 
     def name() -> str:
         template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
@@ -301,8 +318,8 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
         local = dataset_files(cfg)
         if local:  # a local dataset directory: named by its files' contents (each hashed once per node)
             extra = json.dumps([[os.path.relpath(p, cfg.dataset), digests.digest(p)] for p in local])
-        elif cfg.dataset:  # a hub dataset: the fingerprint `datasets` gives what it loaded
-            extra = getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
+        elif cfg.dataset:
+            extra = hub
         return identity(token_settings(cfg, fmt, template), [digests.digest(p) for p in cfg.files],
                         tokenizer_fingerprint(tokenizer), extra)
 
