@@ -462,3 +462,18 @@ def test_local_ranks_starting_at_once_hash_a_data_file_once_and_keep_every_diges
         watched = set()
     known = json.loads((tmp_path / "node" / "files.json").read_text())
     assert set(known) == {os.path.realpath(a), os.path.realpath(b)}
+
+
+def test_the_store_exchanges_wait_for_the_datas_size_from_the_collective_timeout_floor_up_to_a_cap():
+    from elastic_ft.train.token_build import (
+        MAX_EXCHANGE_TIMEOUT_S, TRANSFER_BYTES_PER_S, WORK_PER_INPUT_BYTE, exchange_timeout,
+    )
+
+    assert exchange_timeout(0, 600.0) == 600.0  # the demo corpus: the collective timeout as it is
+    # 30 GB of data on a slow link: the build and the fetch move about ten bytes per input byte at 20 MB/s.
+    thirty_gb = exchange_timeout(30 * 10**9, 600.0)
+    assert thirty_gb == 600.0 + 30e9 * WORK_PER_INPUT_BYTE / TRANSFER_BYTES_PER_S
+    assert thirty_gb > 4 * 3600  # far beyond the 600 s that cut such a build short
+    assert exchange_timeout(10**9, 60.0) < exchange_timeout(10**9, 600.0) < exchange_timeout(2 * 10**9, 600.0)
+    assert exchange_timeout(10**15, 600.0) == MAX_EXCHANGE_TIMEOUT_S  # bounded, whatever the size
+    assert exchange_timeout(-5, -1.0) == 0.0
