@@ -389,18 +389,26 @@ def test_runs_with_the_same_data_share_the_node_copy_without_hashing_or_replacin
     assert os.stat(copy).st_ino == inode
 
 
-def test_a_manifest_of_another_run_is_a_hard_stop_never_retired(cache, tmp_path):
+@pytest.mark.parametrize("foreign", ["run", "format"])
+def test_a_manifest_of_another_run_or_format_is_a_hard_stop_never_retired(cache, tmp_path, foreign):
     path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
     cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
     tok = byte_tokenizer()
     ident = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].identity
     manifests = tmp_path / "runs" / "r" / "tokens" / ident / "manifests"
-    before = sorted(os.listdir(manifests))
+    run_id, why = "another", "belongs to run 'r'"
+    if foreign == "format":  # a newer elastic_ft's store under this run
+        (manifest,) = manifests.iterdir()
+        doc = json.loads(manifest.read_bytes())
+        doc["format"] = 99
+        manifest.write_text(json.dumps(doc))
+        run_id, why = "r", "has format 99"
+    before = {p.name: p.read_bytes() for p in manifests.iterdir()}
     with pytest.raises(data_mod.DataError) as err:
-        data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="another")
+        data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id=run_id)
     line = str(err.value)
-    assert "\n" not in line and f"tokens/{ident}" in line and "belongs to run 'r'" in line
-    assert sorted(os.listdir(manifests)) == before  # nothing retired, nothing rebuilt over it
+    assert "\n" not in line and f"tokens/{ident}" in line and why in line, line
+    assert {p.name: p.read_bytes() for p in manifests.iterdir()} == before  # nothing retired or rebuilt over it
     assert not (tmp_path / "runs" / "r" / "tokens" / ident / "quarantine").exists()
 
 
