@@ -27,7 +27,8 @@ does, and every byte is checked against it when it lands on a node.
    them and commits the manifest, then deletes every part and blob under the
    identity that the manifest does not name (:func:`_remove_orphans`).
 3. Each node maps its copy under ``<node cache>/tokens/<identity>/``: fetched
-   piece by piece (memory: one piece) and verified, once; a later start on the
+   piece by piece (memory: one piece) and verified, once (a fetch cut short
+   keeps its whole pieces for the next start on the node); a later start on the
    node trusts the copy while its files keep the stat stamp they had when they
    were hashed (below). A blob of the run's store whose bytes do not match
    its manifest (torn, altered) is never used: the manifest is retired to

@@ -14,7 +14,8 @@ a node share a copy under a file lock; work directories (:func:`scratch`) are
 locked while in use, so what a killed process left is found and removed.
 
 Cost: assembling, one pass over the tokens; a fetch, one download (memory:
-one piece); a start with a verified copy, a few stats.
+one piece; a fetch cut short is resumed from its last whole piece); a start with a verified copy, a few
+stats.
 """
 
 from __future__ import annotations
@@ -325,21 +326,69 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
                 mark_verified(final, manifest, before)
                 return final
             log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
-        sweep_scratch(node_root)
-        with scratch(node_root, f".fetch-{uuid.uuid4().hex[:12]}") as tmp:
-            for name, refs in pieces.items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    for ref in refs:
-                        try:
-                            f.write(store.get_verified(ref.key, size=ref.size, sha256=ref.sha256,
-                                                       chunk_size=ref.chunk_size))
-                        except (BlobMismatch, ObjectNotFound) as exc:
-                            raise StoreTorn(str(exc)) from exc
-                    f.flush()
-                    os.fsync(f.fileno())
-            replace_dir(tmp, final)
+        sweep_scratch(node_root)  # what lost builds left on this node
+        _fetch(store, manifest, pieces, final)
         mark_verified(final, manifest)
         return final
+
+
+PARTIAL = ".partial-"
+"""Infix of a node's fetch in progress: ``<identity>.partial-<content digest>``, kept when a fetch is cut short
+(a store error, a rank killed, a new world), so the next start on the node fetches only the rest."""
+
+
+def _fetch(store: ObjectStore, manifest, pieces: dict[str, list[BlobRef]], final: str) -> None:
+    """Fetch the committed store into ``final`` piece by piece, each verified as it arrives and recorded
+    (with its file's stamp) once fsynced, resuming a fetch of the same content that was cut short. Under
+    ``final``'s lock. A resumed file whose stamp moved since (anything wrote it) is fetched again from its
+    start; fetches of other contents under this identity are removed."""
+    partial = f"{final}{PARTIAL}{content_digest(manifest)[:16]}"
+    for name in os.listdir(os.path.dirname(final)):
+        stale = os.path.join(os.path.dirname(final), name)
+        if name.startswith(os.path.basename(final) + PARTIAL) and stale != partial:
+            shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(partial, exist_ok=True)
+    record = os.path.join(partial, ".progress.json")
+    try:
+        with open(record, encoding="utf-8") as f:
+            progress = json.load(f)
+        if not isinstance(progress, dict):
+            progress = {}
+    except (OSError, ValueError):
+        progress = {}
+    for name, refs in pieces.items():
+        path = os.path.join(partial, name)
+        entry = progress.get(name)
+        done, stamp = entry if isinstance(entry, list) and len(entry) == 2 else (0, None)
+        try:
+            st = os.stat(path)
+            same = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == stamp
+        except OSError:
+            same = False
+        done = done if same and isinstance(done, int) and 0 <= done <= len(refs) else 0
+        if done == len(refs) and refs:
+            continue  # whole, and untouched since it was recorded
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+            keep = sum(r.size for r in refs[:done])
+            f.truncate(keep)
+            f.seek(keep)
+            for n in range(done, len(refs)):
+                ref = refs[n]
+                try:
+                    f.write(store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size))
+                except (BlobMismatch, ObjectNotFound) as exc:
+                    shutil.rmtree(partial, ignore_errors=True)  # that store is never used: nothing to resume
+                    raise StoreTorn(str(exc)) from exc
+                f.flush()
+                os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
+                progress[name] = [n + 1, [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]]
+                tmp = f"{record}.tmp"
+                with open(tmp, "w", encoding="utf-8") as out:
+                    json.dump(progress, out)
+                os.replace(tmp, record)
+    os.remove(record)
+    replace_dir(partial, final)
 
 
 def replace_dir(src: str, dst: str) -> None:

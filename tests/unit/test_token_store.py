@@ -485,3 +485,45 @@ def test_the_store_exchanges_wait_for_the_datas_size_from_the_collective_timeout
     assert exchange_timeout(10**9, 60.0) < exchange_timeout(10**9, 600.0) < exchange_timeout(2 * 10**9, 600.0)
     assert exchange_timeout(10**15, 600.0) == MAX_EXCHANGE_TIMEOUT_S  # bounded, whatever the size
     assert exchange_timeout(-5, -1.0) == 0.0
+
+
+def test_a_fetch_cut_short_is_resumed_from_its_last_whole_piece(cache, tmp_path, monkeypatch):
+    """A node's fetch of a large store stopped by a store error (or a new world) keeps its verified pieces:
+    the next start fetches only the rest, and the copy is the committed bytes."""
+    from elastic_ft.checkpoint.errors import StoreUnavailable
+    from elastic_ft.train import token_files
+
+    monkeypatch.setattr(token_files, "PIECE_BYTES", 512)  # the test's store in many pieces
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(60))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    run = str(tmp_path / "runs" / "r")
+    good, built = data_mod.load_with_report(cfg, tok, store=LocalStore(run), run_id="r")
+    expected = {name: (cache / "tokens" / built.identity / name).read_bytes() for name in os.listdir(
+        cache / "tokens" / built.identity) if name != "verified.json"}
+    shutil.rmtree(cache / "tokens" / built.identity)  # a node that never had it
+    fetched: list[str] = []
+
+    class Counting(LocalStore):
+        fail_after: int | None = None
+
+        def get_verified(self, key, **kw):
+            if self.fail_after is not None and len(fetched) >= self.fail_after:
+                raise StoreUnavailable(f"injected: {key} unavailable")
+            fetched.append(key)
+            return super().get_verified(key, **kw)
+
+    cut = Counting(run)
+    cut.fail_after = 7
+    with pytest.raises(StoreUnavailable):
+        data_mod.load_with_report(cfg, tok, store=cut, run_id="r")
+    assert len(fetched) == 7
+    fetched.clear()
+    store, again = data_mod.load_with_report(cfg, tok, store=Counting(run), run_id="r")
+    pieces = len([k for k in LocalStore(run).list(f"tokens/{built.identity}/blobs/")])
+    assert not again.built and pieces > 10
+    assert len(fetched) == pieces - 7  # only what the cut fetch had not landed
+    for name, data in expected.items():
+        assert (cache / "tokens" / built.identity / name).read_bytes() == data, name
+    assert np.array_equal(np.array(store.tokens), np.array(good.tokens))
+    assert not [n for n in os.listdir(cache / "tokens") if ".partial-" in n]
