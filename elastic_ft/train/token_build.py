@@ -49,9 +49,9 @@ hash, happen while the other ranks wait there, and at tens of GB a fixed
 machine, SIGKILL) is waited for at most that timeout, and torchrun or the
 rendezvous restarts the world first. (Loading a hub dataset for its
 fingerprint, on the leader, is still bounded by the collective timeout: its
-size is known only once loaded.) Nothing is used before its manifest: a rank maps only a committed
-store, and the leader's node gets the assembled files only once the manifest
-is written. The next world finds no manifest and builds the store again from
+size is known only once loaded.) Nothing is used before its manifest: a rank
+maps only a committed store, and the leader's node gets the assembled files
+only once the manifest is written. The next world finds no manifest and builds the store again from
 the start (a share depends on the world's size, so a lost world's parts are
 not resumed: a build is one tokenization pass, short next to the restarts it
 saves); its commit removes what the lost world uploaded, and each node's
