@@ -17,7 +17,8 @@ does, and every byte is checked against it when it lands on a node.
    node's record of (path, size, mtime, inode) -> sha256, so a restart reads no
    data file; a file whose stat changed is hashed again. A ``data.dataset`` that
    is a local directory is named by its files' contents the same way; a hub
-   dataset by the fingerprint ``datasets`` gives it.
+   dataset by the fingerprint ``datasets`` gives it, loaded by the leader alone
+   and shared, so the other ranks of a restart do not load the dataset.
 2. The leader reads the manifest and tells the others. None: the world builds
    it. Each rank tokenizes a contiguous share of the records, streamed (no rank
    holds more than a batch of records as Python objects), into part files; the
@@ -26,7 +27,8 @@ does, and every byte is checked against it when it lands on a node.
    them and commits the manifest, then deletes every part and blob under the
    identity that the manifest does not name (:func:`_remove_orphans`).
 3. Each node maps its copy under ``<node cache>/tokens/<identity>/``: fetched
-   piece by piece (memory: one piece) and verified, once; a later start on the
+   piece by piece (memory: one piece) and verified, once (a fetch cut short
+   keeps its whole pieces for the next start on the node); a later start on the
    node trusts the copy while its files keep the stat stamp they had when they
    were hashed (below). A blob of the run's store whose bytes do not match
    its manifest (torn, altered) is never used: the manifest is retired to
@@ -37,12 +39,19 @@ tokenizing, uploading a part, assembling and committing, copying to the node)
 ends in one exchange where each rank reports how it went (:func:`_together`):
 the rank that failed raises its own error, every other rank
 :class:`~elastic_ft.train.world.RunAborted` naming that rank and its error in
-one line. No rank waits in a later collective for one that gave up. A rank
-that dies instead (a lost machine, SIGKILL) is waited for at most the process
-group's collective timeout, and torchrun or the rendezvous restarts the world
-first. Nothing is used before its manifest: a rank maps only a committed
-store, and the leader's node gets the assembled files only once the manifest
-is written. The next world finds no manifest and builds the store again from
+one line. No rank waits in a later collective for one that gave up. The
+exchanges after the hub fingerprint go through a gloo group made for them
+(:func:`_exchange_group`) whose timeout is the collective timeout plus the
+dataset-sized work at a conservative 20 MB/s (:func:`exchange_timeout`,
+capped at a day): the leader's assembly and upload, and each node's fetch and
+hash, happen while the other ranks wait there, and at tens of GB a fixed
+600 s would cut every world's build short. A rank that dies instead (a lost
+machine, SIGKILL) is waited for at most that timeout, and torchrun or the
+rendezvous restarts the world first. (Loading a hub dataset for its
+fingerprint, on the leader, is still bounded by the collective timeout: its
+size is known only once loaded.) Nothing is used before its manifest: a rank
+maps only a committed store, and the leader's node gets the assembled files
+only once the manifest is written. The next world finds no manifest and builds the store again from
 the start (a share depends on the world's size, so a lost world's parts are
 not resumed: a build is one tokenization pass, short next to the restarts it
 saves); its commit removes what the lost world uploaded, and each node's
@@ -61,8 +70,9 @@ the whole store at each start, a cost that grows with the dataset at every
 restart. Checksumming file systems, or the ECC of the disk, are that layer's
 guard; a copy is also hashed again whenever the manifest changes.
 
-Cost: a start with a committed store and a node copy: one manifest read and a
-few stats, nothing that grows with the dataset. A node without a copy: one
+Cost: a start with a committed store and a node copy: one manifest read, a
+few stats and one gloo group made and destroyed, nothing that grows with the
+dataset. A node without a copy: one
 download of the store (about 3 bytes per token), hashed once. A build: one
 tokenization pass over the data, shared by the ranks, plus each part's upload
 and the leader's concatenation (one pass over the tokens).
@@ -91,6 +101,7 @@ the same shares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -98,9 +109,12 @@ import logging
 import os
 import time
 import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from elastic_ft.checkpoint.errors import ObjectNotFound, StoreError
-from elastic_ft.checkpoint.manifest import ManifestError, manifest_key
+from elastic_ft.checkpoint.manifest import ManifestCorrupt, ManifestForeign, manifest_key
 from elastic_ft.checkpoint.prefixed import PrefixedStore
 from elastic_ft.checkpoint.reader import read_manifest
 from elastic_ft.checkpoint.store import ObjectStore
@@ -110,7 +124,7 @@ from elastic_ft.train import chat
 from elastic_ft.train.datafiles import DataError, check_files
 from elastic_ft.train.faults import Injector
 from elastic_ft.train.token_files import (
-    StoreTorn, assemble, blob_name, local_reader, localize, locked, mark_verified, replace_dir, scratch,
+    StoreTorn, assemble, blob_name, blobs_digest, content_digest, install, local_reader, localize, locked, scratch,
     store_reader, sweep_scratch, upload_files,
 )
 from elastic_ft.train.token_identity import FileDigests, data_format, identity, token_settings, tokenizer_fingerprint
@@ -132,16 +146,26 @@ class Built:
     seconds: float
 
 
-def _committed(sub: ObjectStore, run_id: str):
-    """The committed store's manifest, or None (absent, or corrupt: then it is retired and rebuilt)."""
+def _read(sub: ObjectStore, run_id: str):
+    """The committed store's manifest (:class:`ObjectNotFound` if none). One of another run or format is a
+    hard stop naming its key: the run's location holds what this run did not write, so nothing there is
+    retired or rebuilt over (:class:`DataError`, one line)."""
     key = manifest_key(0)
     try:
         return read_manifest(sub, key, run_id=run_id)
+    except ManifestForeign as exc:
+        raise DataError(f"token store {sub.uri}/{key}: {' '.join(str(exc).split())}") from exc
+
+
+def _committed(sub: ObjectStore, run_id: str):
+    """The committed store's manifest, or None (absent, or corrupt: then it is retired and rebuilt)."""
+    try:
+        return _read(sub, run_id)
     except ObjectNotFound:
         return None
-    except ManifestError as exc:
+    except ManifestCorrupt as exc:  # only a broken manifest: a foreign one stopped in _read
         log.warning("token store: %s; building it again", exc)
-        retire(sub, key, str(exc))
+        retire(sub, manifest_key(0), str(exc))
         return None
 
 
@@ -151,11 +175,12 @@ def _line(exc: BaseException) -> str:
     return text if isinstance(exc, DataError) else f"{type(exc).__name__}: {text}"
 
 
-def _together(world: World, what: str, fn, *, leader_only: bool = False):
+def _together(world: World, what: str, fn, *, leader_only: bool = False, group=None):
     """``fn()`` on every rank (or the leader only, its value broadcast), and every rank learns of any rank's
     failure: the rank that failed raises its own exception, every other one :class:`RunAborted` naming it.
     So no rank waits in a later collective for a rank that gave up; a rank that dies instead is waited
-    for at most the process group's collective timeout (and torchrun stops a node's ranks when one dies)."""
+    for at most the process group's collective timeout (``group``'s: :func:`_exchange_group`; torchrun stops a
+    node's ranks when one dies)."""
     mine: BaseException | None = None
     value = None
     if world.is_leader or not leader_only:
@@ -165,10 +190,10 @@ def _together(world: World, what: str, fn, *, leader_only: bool = False):
             mine = exc
     report = (None if mine is None else _line(mine), value)
     if leader_only:
-        reports = [broadcast_from_leader(world, report)]
+        reports = [broadcast_from_leader(world, report, group)]
         ranks = [0]
     else:
-        reports = gather_from_all(world, report)
+        reports = gather_from_all(world, report, group)
         ranks = list(range(len(reports)))
     failed = [(rank, line) for rank, (line, _) in zip(ranks, reports) if line is not None]
     if mine is not None:
@@ -180,34 +205,41 @@ def _together(world: World, what: str, fn, *, leader_only: bool = False):
 
 
 def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str | None, tokenizer, ident: str,
-          node_root: str):
+          node_root: str, group=None):
     """Tokenize with every rank of ``world``, commit the store; the manifest on every rank.
 
     A failure on any rank (bad data, a store that refuses writes once its retries are spent) stops every
     rank with one line naming it (:func:`_together`); nothing is committed then, and the next start builds
     again. Part blobs of builds that never committed are removed by the build that commits
-    (:func:`_remove_orphans`).
+    (:func:`_remove_orphans`). The exchanges go through ``group`` (:func:`_exchange_group`), whose timeout
+    allows for the data's size.
     """
     writer = CheckpointWriter(sub, run_id)
     # One name for the build's parts, the leader's: a failed build's parts are found under it.
-    nonce = broadcast_from_leader(world, uuid.uuid4().hex[:12])
-    vocab = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
-    dtype = token_dtype(vocab)
+    nonce = broadcast_from_leader(world, uuid.uuid4().hex[:12], group)
     faults = Injector.from_env()
-    sweep_scratch(node_root)  # what the ranks of a lost build left on this node
-    with scratch(node_root, f".build-{nonce}-{world.rank}") as work:
+    with contextlib.ExitStack() as held:
+        got: dict = {}
+
         def tokenize():
+            # Everything a rank may fail alone is in this exchanged step: the vocabulary's type, the node's
+            # disk (a full or unwritable node cache), the data and the store.
+            got["vocab"] = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
+            got["dtype"] = token_dtype(got["vocab"])
+            sweep_scratch(node_root)  # what the ranks of a lost build left on this node
+            got["work"] = work = held.enter_context(scratch(node_root, f".build-{nonce}-{world.rank}"))
             records = Records(cfg, fmt)
             lo, hi = share(records.count, world.rank, world.size)
-            tokenize_share(records, lo, hi, cfg, tokenizer, dtype, os.path.join(work, "part"))
+            tokenize_share(records, lo, hi, cfg, tokenizer, got["dtype"], os.path.join(work, "part"))
             faults.maybe_kill_build(rank=world.rank, point="share")
             if world.is_leader:
                 return None
             return upload_files(writer, os.path.join(work, "part"), PART_FILES, f"parts/{nonce}/{world.rank:05d}/")
 
-        parts = _together(world, "build (tokenizing the shares)", tokenize)
+        parts = _together(world, "build (tokenizing the shares)", tokenize, group=group)
         return _together(world, "build (assembling and committing)", lambda: _assemble_and_commit(
-            world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults), leader_only=True)
+            world, sub, writer, parts, cfg, got["dtype"], tokenizer, got["vocab"], ident, got["work"], node_root,
+            faults), leader_only=True, group=group)
 
 
 def _assemble_and_commit(world, sub, writer, parts, cfg, dtype, tokenizer, vocab, ident, work, node_root, faults):
@@ -222,14 +254,19 @@ def _assemble_and_commit(world, sub, writer, parts, cfg, dtype, tokenizer, vocab
     faults.maybe_kill_build(rank=world.rank, point="commit")
     try:
         manifest = writer.commit_manifest(snap, blobs)
-    except CheckpointConflict:  # another job committed the same store first: its bytes are the same
-        manifest = read_manifest(sub, manifest_key(0), run_id=writer.run_id)
+    except CheckpointConflict:
+        # Another writer of this run (a duplicate job, a world that outlived its successor's start)
+        # committed the store first. The store is content-addressed (its identity names the data, tokenizer
+        # and settings), so that store is this one: adopted, and verified like any committed store when a
+        # node copies it. A manifest of another run there is a hard stop (_read), never adopted.
+        manifest = _read(sub, writer.run_id)
     _remove_orphans(sub, manifest)
-    # The leader's node keeps the assembled files: they are the committed bytes (hashed as they went up).
-    with locked(os.path.join(node_root, ident) + ".lock"):
-        if manifest.writer == writer.writer_token:
-            replace_dir(out, os.path.join(node_root, ident))
-            mark_verified(os.path.join(node_root, ident), manifest)
+    # The leader's node keeps the assembled files when they are the committed bytes (hashed as they went
+    # up): ours, or another writer's of the same content. A copy already verified as those bytes (another
+    # run on this node with the same data) is kept, not replaced under whoever maps it.
+    if content_digest(manifest) == blobs_digest(blobs):
+        with locked(os.path.join(node_root, ident) + ".lock"):
+            install(out, os.path.join(node_root, ident), manifest)
     return manifest
 
 
@@ -265,26 +302,100 @@ def _node_copy(sub: ObjectStore, manifest, node_root: str, ident: str) -> tuple[
         return str(exc), None
 
 
+def _hub_fingerprint(cfg: DataConfig, fmt: str | None) -> tuple[str, int]:
+    """The fingerprint ``datasets`` gives a hub ``data.dataset`` and its size in bytes (Arrow); ("", 0) for a
+    local directory with files: those name it."""
+    if dataset_files(cfg):
+        return "", 0
+    loaded = load_dataset(cfg, fmt)
+    return getattr(loaded, "_fingerprint", "") or "", int(getattr(getattr(loaded, "data", None), "nbytes", 0) or 0)
+
+
+def _input_bytes(cfg: DataConfig) -> int:
+    """The size of the local data files (``data.files``, a local ``data.dataset``'s files): a few stats."""
+    total = 0
+    for path in [*cfg.files, *dataset_files(cfg)]:
+        try:
+            total += os.path.getsize(path)
+        except OSError:  # reported by the exchanged steps that read it
+            pass
+    return total
+
+
+TRANSFER_BYTES_PER_S = 20e6
+"""A conservative rate for the token store's dataset-sized work (tokenizing, uploading the parts, the leader
+downloading them and uploading the store, a node fetching and hashing it): a slow link's, well under what a
+rank tokenizes (the bench: about 2.5 MB of JSON Lines per CPU second) or a cloud link moves."""
+WORK_PER_INPUT_BYTE = 10
+"""Bytes of that work per byte of input data: the store is about 3 bytes per token (uint16 ids and a byte of
+trained mark; at most 5 with 32-bit ids), a token at least a byte of text, and the build moves the store
+about twice (parts up and down, the store up) before a node fetches and hashes it."""
+MAX_EXCHANGE_TIMEOUT_S = 86400.0
+"""The longest the token store's exchanges wait for a rank (spot.collective_timeout_s's own bound)."""
+
+
+def exchange_timeout(input_bytes: int, floor_s: float) -> float:
+    """Seconds the token store's exchanges wait for a rank: ``floor_s`` (the collective timeout) plus the
+    dataset-sized work at :data:`TRANSFER_BYTES_PER_S`, at most :data:`MAX_EXCHANGE_TIMEOUT_S`.
+
+    Why not the collective timeout alone: the leader's assembly and upload, and each node's fetch and hash,
+    happen while the other ranks wait in the exchange; at tens of GB on a slow link that outlasts any fixed
+    bound, and each new world would start the work again. A rank that dies is still noticed sooner (torchrun
+    stops a node's ranks when one dies; a lost node ends the rendezvous)."""
+    work = max(0, input_bytes) * WORK_PER_INPUT_BYTE
+    return min(MAX_EXCHANGE_TIMEOUT_S, max(0.0, floor_s) + work / TRANSFER_BYTES_PER_S)
+
+
+@contextlib.contextmanager
+def _exchange_group(world: World, input_bytes: int):
+    """A gloo group of every rank for the token store's exchanges, its timeout from :func:`exchange_timeout`
+    (None on a single process). Made by every rank at every start (one exchange through the group's store)."""
+    if not world.distributed:
+        yield None
+        return
+    floor = world.collective_timeout.total_seconds() if world.collective_timeout else 600.0
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_timeout(input_bytes, floor)))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
 def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, tokenizer, node_cache: str) -> tuple[TokenStore, Built]:
     """The run's token store for ``cfg`` and ``tokenizer``, mapped on this rank (built by the world if it
     is not committed yet). Called by every rank alike; ``cfg.files`` are local paths."""
     t0 = time.monotonic()
     node_root = os.path.join(node_cache, "tokens")
     fmt = _together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
-    template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
+
+    # A hub dataset is named by the fingerprint `datasets` gives what it loaded: the leader loads it (at
+    # every start: the fingerprint follows the hub's revision) and tells the others, so the other ranks of a
+    # restart with a committed store never load the dataset (a ``data.dataset`` that is a local directory is
+    # named by its files' contents on every rank, below). Every rank takes this step when data.dataset is set
+    # (the same config on all), whatever its disk shows.
+    hub, hub_bytes = _together(world, "hub dataset's fingerprint", lambda: _hub_fingerprint(cfg, fmt),
+                               leader_only=True) if cfg.dataset else ("", 0)
+    # The leader's size: every rank's group gets the same timeout (a node with other files stops below).
+    input_bytes = broadcast_from_leader(world, _input_bytes(cfg) + hub_bytes)
+    with _exchange_group(world, input_bytes) as group:
+        return _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group, t0)
+
+
+def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group, t0):
 
     def name() -> str:
+        template = chat.template_text(tokenizer, cfg.messages_field) if cfg.messages_field else None
         digests = FileDigests(os.path.join(node_root, "files.json"))
         extra = ""
         local = dataset_files(cfg)
         if local:  # a local dataset directory: named by its files' contents (each hashed once per node)
             extra = json.dumps([[os.path.relpath(p, cfg.dataset), digests.digest(p)] for p in local])
-        elif cfg.dataset:  # a hub dataset: the fingerprint `datasets` gives what it loaded
-            extra = getattr(load_dataset(cfg, fmt), "_fingerprint", "") or ""
+        elif cfg.dataset:
+            extra = hub
         return identity(token_settings(cfg, fmt, template), [digests.digest(p) for p in cfg.files],
                         tokenizer_fingerprint(tokenizer), extra)
 
-    names = _together(world, "identity", name)
+    names = _together(world, "identity", name, group=group)
     ident = names[world.rank]
     if any(n != names[0] for n in names):  # a node whose data files differ would build or map another store
         other = next(r for r, n in enumerate(names) if n != names[0])
@@ -293,12 +404,13 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     sub = PrefixedStore(run_store, f"{STORE_PREFIX}{ident}")
     built = False
     for attempt in (1, 2):
-        manifest = _together(world, "manifest read", lambda: _committed(sub, run_id), leader_only=True)
+        manifest = _together(world, "manifest read", lambda: _committed(sub, run_id), leader_only=True, group=group)
         if manifest is None:
             if fmt in ("json", "text"):  # every unusable line named before any rank tokenizes
-                _together(world, "data check", lambda: check_files(cfg, fmt))
-            manifest, built = build(world, sub, run_id, cfg, fmt, tokenizer, ident, node_root), True
-        results = _together(world, "copy to the node", functools.partial(_node_copy, sub, manifest, node_root, ident))
+                _together(world, "data check", lambda: check_files(cfg, fmt), group=group)
+            manifest, built = build(world, sub, run_id, cfg, fmt, tokenizer, ident, node_root, group), True
+        results = _together(world, "copy to the node", functools.partial(_node_copy, sub, manifest, node_root, ident),
+                            group=group)
         problems = [p for p, _ in results if p]
         directory = results[world.rank][1]
         if not problems:
@@ -306,7 +418,7 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
         log.warning("token store: %s; it is not used, and is built again", problems[0])
         # The retirement is done before anyone reads again.
         _together(world, "retirement of a torn store", lambda: retire(sub, manifest_key(0), problems[0]),
-                  leader_only=True)
+                  leader_only=True, group=group)
     else:
         raise DataError(f"the token store {sub.uri} was torn again after it was rebuilt: {problems[0]}; "
                         f"check the checkpoint location's storage")
@@ -316,4 +428,5 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     return store, Built(ident, built, time.monotonic() - t0)
 
 
-__all__ = ["Built", "STORE_PREFIX", "build", "ensure"]
+__all__ = ["Built", "MAX_EXCHANGE_TIMEOUT_S", "STORE_PREFIX", "TRANSFER_BYTES_PER_S", "WORK_PER_INPUT_BYTE", "build",
+           "ensure", "exchange_timeout"]

@@ -6,13 +6,16 @@ cuts a file into blobs of at most :data:`PIECE_BYTES`; :func:`localize` gives a
 node its copy of a committed store under ``<node cache>/tokens/<identity>/``:
 fetched a piece at a time and checked against the manifest once, then trusted
 while its files keep the size, mtime, ctime, inode and device recorded before
-they were hashed, for the same manifest (``verified.json``; why that is sound,
+they were hashed, for a manifest of the same content (``verified.json``: the blobs' names, sizes and
+sha256, not the run or writer that committed them, since every run on the node with the same data shares
+the copy; why that is sound,
 and what it cannot see: :mod:`elastic_ft.train.token_build`). Several ranks of
 a node share a copy under a file lock; work directories (:func:`scratch`) are
 locked while in use, so what a killed process left is found and removed.
 
 Cost: assembling, one pass over the tokens; a fetch, one download (memory:
-one piece); a start with a verified copy, a few stats.
+one piece; a fetch cut short is resumed from its last whole piece); a start with a verified copy, a few
+stats.
 """
 
 from __future__ import annotations
@@ -257,31 +260,51 @@ def _stamp(directory: str) -> dict[str, list[int]]:
     return out
 
 
-def _manifest_digest(manifest) -> str:
-    """sha256 of what the manifest says the files hold (each blob's name, size and digest)."""
-    doc = sorted((name, ref.size, ref.sha256) for name, ref in manifest.blobs.items())
+def content_digest(manifest) -> str:
+    """sha256 of what the manifest says the files hold (each blob's name, size and digest): the store's
+    bytes, not who wrote it or when. The node copy is shared by every run on the node that uses the same
+    data (its directory is named by the identity, not the run): two runs' manifests of one identity differ
+    in writer and time, never in these."""
+    return blobs_digest(manifest.blobs)
+
+
+def blobs_digest(blobs: dict[str, BlobRef]) -> str:
+    """:func:`content_digest` of a manifest that would name ``blobs``."""
+    doc = sorted((name, ref.size, ref.sha256) for name, ref in blobs.items())
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
 def mark_verified(directory: str, manifest, stamp: dict | None = None) -> None:
     """Record that ``directory``'s files are ``manifest``'s bytes, as they are now (or as ``stamp``, taken
     before they were hashed)."""
-    doc = {"writer": manifest.writer, "created": manifest.created, "manifest": _manifest_digest(manifest),
-           "files": stamp or _stamp(directory)}
+    doc = {"manifest": content_digest(manifest), "files": stamp or _stamp(directory)}
     tmp = os.path.join(directory, f".verified.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f)
     os.replace(tmp, os.path.join(directory, "verified.json"))
 
 
-def _marked(directory: str, manifest) -> bool:
+def marked(directory: str, manifest) -> bool:
+    """Whether ``directory`` was verified as ``manifest``'s bytes (by content, whichever run committed it)
+    and its files keep the stamp they had then."""
     try:
         with open(os.path.join(directory, "verified.json"), encoding="utf-8") as f:
             doc = json.load(f)
-        return (doc.get("writer"), doc.get("created"), doc.get("manifest")) == \
-            (manifest.writer, manifest.created, _manifest_digest(manifest)) and doc.get("files") == _stamp(directory)
+        return doc.get("manifest") == content_digest(manifest) and doc.get("files") == _stamp(directory)
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def install(out: str, final: str, manifest) -> bool:
+    """The leader's assembled files ``out`` (hashed as they were uploaded: ``manifest``'s bytes) as the
+    node copy ``final``, unless ``final`` already holds them verified (another run of the same data, or
+    an earlier world of this one): that copy is kept, never replaced under the processes that map it.
+    Call under ``final``'s lock; whether it installed."""
+    if os.path.isdir(final) and marked(final, manifest):
+        return False
+    replace_dir(out, final)
+    mark_verified(final, manifest)
+    return True
 
 
 class StoreTorn(Exception):
@@ -295,7 +318,7 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
     pieces = _pieces(manifest)
     with locked(final + ".lock"):
         if os.path.isdir(final):
-            if _marked(final, manifest):
+            if marked(final, manifest):
                 return final
             before = _stamp(final)
             problems = [p for name, refs in pieces.items() if (p := verify_file(os.path.join(final, name), refs))]
@@ -303,21 +326,69 @@ def localize(store: ObjectStore, manifest, node_root: str, ident: str) -> str:
                 mark_verified(final, manifest, before)
                 return final
             log.warning("token store: the node copy is not the committed store (%s); fetching it", problems[0])
-        sweep_scratch(node_root)
-        with scratch(node_root, f".fetch-{uuid.uuid4().hex[:12]}") as tmp:
-            for name, refs in pieces.items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    for ref in refs:
-                        try:
-                            f.write(store.get_verified(ref.key, size=ref.size, sha256=ref.sha256,
-                                                       chunk_size=ref.chunk_size))
-                        except (BlobMismatch, ObjectNotFound) as exc:
-                            raise StoreTorn(str(exc)) from exc
-                    f.flush()
-                    os.fsync(f.fileno())
-            replace_dir(tmp, final)
+        sweep_scratch(node_root)  # what lost builds left on this node
+        _fetch(store, manifest, pieces, final)
         mark_verified(final, manifest)
         return final
+
+
+PARTIAL = ".partial-"
+"""Infix of a node's fetch in progress: ``<identity>.partial-<content digest>``, kept when a fetch is cut short
+(a store error, a rank killed, a new world), so the next start on the node fetches only the rest."""
+
+
+def _fetch(store: ObjectStore, manifest, pieces: dict[str, list[BlobRef]], final: str) -> None:
+    """Fetch the committed store into ``final`` piece by piece, each verified as it arrives and recorded
+    (with its file's stamp) once fsynced, resuming a fetch of the same content that was cut short. Under
+    ``final``'s lock. A resumed file whose stamp moved since (anything wrote it) is fetched again from its
+    start; fetches of other contents under this identity are removed."""
+    partial = f"{final}{PARTIAL}{content_digest(manifest)[:16]}"
+    for name in os.listdir(os.path.dirname(final)):
+        stale = os.path.join(os.path.dirname(final), name)
+        if name.startswith(os.path.basename(final) + PARTIAL) and stale != partial:
+            shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(partial, exist_ok=True)
+    record = os.path.join(partial, ".progress.json")
+    try:
+        with open(record, encoding="utf-8") as f:
+            progress = json.load(f)
+        if not isinstance(progress, dict):
+            progress = {}
+    except (OSError, ValueError):
+        progress = {}
+    for name, refs in pieces.items():
+        path = os.path.join(partial, name)
+        entry = progress.get(name)
+        done, stamp = entry if isinstance(entry, list) and len(entry) == 2 else (0, None)
+        try:
+            st = os.stat(path)
+            same = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == stamp
+        except OSError:
+            same = False
+        done = done if same and isinstance(done, int) and 0 <= done <= len(refs) else 0
+        if done == len(refs) and refs:
+            continue  # whole, and untouched since it was recorded
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+            keep = sum(r.size for r in refs[:done])
+            f.truncate(keep)
+            f.seek(keep)
+            for n in range(done, len(refs)):
+                ref = refs[n]
+                try:
+                    f.write(store.get_verified(ref.key, size=ref.size, sha256=ref.sha256, chunk_size=ref.chunk_size))
+                except (BlobMismatch, ObjectNotFound) as exc:
+                    shutil.rmtree(partial, ignore_errors=True)  # that store is never used: nothing to resume
+                    raise StoreTorn(str(exc)) from exc
+                f.flush()
+                os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
+                progress[name] = [n + 1, [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]]
+                tmp = f"{record}.tmp"
+                with open(tmp, "w", encoding="utf-8") as out:
+                    json.dump(progress, out)
+                os.replace(tmp, record)
+    os.remove(record)
+    replace_dir(partial, final)
 
 
 def replace_dir(src: str, dst: str) -> None:
@@ -328,5 +399,5 @@ def replace_dir(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-__all__ = ["PIECE_BYTES", "SCRATCH", "StoreTorn", "scratch", "sweep_scratch", "assemble", "blob_name", "local_reader", "localize", "locked", "mark_verified",
-           "replace_dir", "store_reader", "upload_files", "verify_file"]
+__all__ = ["PIECE_BYTES", "SCRATCH", "StoreTorn", "scratch", "sweep_scratch", "assemble", "blob_name", "blobs_digest", "content_digest",
+           "install", "local_reader", "localize", "locked", "mark_verified", "marked", "replace_dir", "store_reader", "upload_files", "verify_file"]

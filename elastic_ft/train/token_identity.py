@@ -9,6 +9,7 @@ before reads no data file: cost O(1) then, one read of the data otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ from typing import Any
 
 from elastic_ft.config import DataConfig
 from elastic_ft.train.datafiles import DataError
+from elastic_ft.train.token_files import locked
 from elastic_ft.train.token_store import FORMAT
 
 log = logging.getLogger(__name__)
@@ -77,32 +79,52 @@ def identity(settings: dict[str, Any], file_digests: list[str], tokenizer_digest
 
 class FileDigests:
     """sha256 of local files, remembered per (path, size, mtime, inode) in ``path``: a file hashed once on a
-    node is not read again until it changes."""
+    node is not read again until it changes.
+
+    Every local rank of a node names the store at once on a first start: a file not yet known is hashed
+    under the node's lock on ``path`` (``<path>.lock``), after reading ``path`` again, so one rank hashes
+    it and the others find its digest there; and each save merges into what is on disk, so no rank's
+    digest is lost to another's write."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.known = self._load()
+
+    def _load(self) -> dict:
         try:
-            with open(path, encoding="utf-8") as f:
-                self.known = json.load(f)
-            if not isinstance(self.known, dict):
-                self.known = {}
+            with open(self.path, encoding="utf-8") as f:
+                known = json.load(f)
+            return known if isinstance(known, dict) else {}
         except (OSError, ValueError):
-            self.known = {}
+            return {}
+
+    def _known(self, real: str, stamp: list[int]) -> str | None:
+        entry = self.known.get(real)
+        if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+        return None
 
     def digest(self, path: str) -> str:
         st = os.stat(path)
         real = os.path.realpath(path)
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
-        entry = self.known.get(real)
-        if isinstance(entry, dict) and entry.get("stat") == stamp and isinstance(entry.get("sha256"), str):
-            return entry["sha256"]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        self.known[real] = {"stat": stamp, "sha256": h.hexdigest()}
-        self._save()
-        return h.hexdigest()
+        if (known := self._known(real, stamp)) is not None:
+            return known
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(locked(self.path + ".lock"))
+            except OSError as exc:  # a node cache that cannot be written: hash unshared (slower, never wrong)
+                log.warning("token store: could not lock %s: %s", self.path, exc)
+            self.known.update(self._load())  # another local rank may have hashed it while we waited
+            if (known := self._known(real, stamp)) is not None:
+                return known
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            self.known[real] = {"stat": stamp, "sha256": h.hexdigest()}
+            self._save()
+            return h.hexdigest()
 
     def _save(self) -> None:
         try:

@@ -141,11 +141,18 @@ def load_dataset(cfg: DataConfig, fmt: str | None):
         except DataError:
             raise
         except Exception as exc:
-            raise DataError(f"{where} could not be loaded: {' '.join(str(exc).split())}") from exc
+            raise DataError(f"{where} could not be loaded: {_one_line(exc)}") from exc
     try:
         return datasets.load_dataset(fmt, data_files=list(cfg.files), split="train")
     except Exception as exc:
-        raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {exc}") from exc
+        raise DataError(f"data.files {cfg.files!r} could not be read as {fmt}: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """A reader's error as one printable line: ``datasets`` and pyarrow messages carry newlines and raw bytes
+    of the file they failed on (a corrupt parquet footer), which would break the one-line report."""
+    text = "".join(c if c.isprintable() else " " for c in str(exc))
+    return " ".join(text.split()) or type(exc).__name__
 
 
 def dataset_files(cfg: DataConfig) -> list[str]:

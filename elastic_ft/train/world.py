@@ -41,6 +41,9 @@ class World:
     store: dist.Store | None = None
     """The process group's key-value store (its TCPStore, under a prefix of ours), for :func:`settle`; None
     without a process group, or for one that :func:`init_world` did not make."""
+    collective_timeout: timedelta | None = None
+    """The bound :func:`init_world` gave the default group's collectives (None: torch's default); groups made
+    for longer exchanges (the token store's build and fetch) scale it."""
     settles: int = 0
     """:func:`settle` calls so far (every rank makes the same ones: each meets under its own key)."""
 
@@ -86,25 +89,28 @@ def init_world(collective_timeout: timedelta | None = None) -> World:
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", base), rank=rank, world_size=size,
                                 timeout=collective_timeout)
         store = dist.PrefixStore("elastic_ft/settle", base)
-    return World(rank, size, local_rank, local_size, device, store=store)
+    return World(rank, size, local_rank, local_size, device, store=store, collective_timeout=collective_timeout)
 
 
-def broadcast_from_leader(world: World, value):
-    """``value`` as the leader has it, on every rank (a Python object through the process group)."""
+def broadcast_from_leader(world: World, value, group=None):
+    """``value`` as the leader has it, on every rank (a Python object through the process group, or through
+    ``group``: a gloo group of every rank, on the host)."""
     if not world.distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, device=world.device)
+    dist.broadcast_object_list(box, src=0, group=group, device=world.device if group is None else torch.device("cpu"))
     return box[0]
 
 
-def gather_from_all(world: World, value) -> list:
-    """Every rank's ``value``, in rank order, on every rank (``[value]`` on a single process)."""
+def gather_from_all(world: World, value, group=None) -> list:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` on a single process); through
+    ``group`` (a gloo group of every rank) if given."""
     if not world.distributed:
         return [value]
     out = [None] * world.size
-    # all_gather_object has no device argument: NCCL uses the current CUDA device, which init_world set.
-    dist.all_gather_object(out, value)
+    # all_gather_object has no device argument: NCCL uses the current CUDA device, which init_world set
+    # (a gloo group's objects stay on the host).
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

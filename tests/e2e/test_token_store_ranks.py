@@ -2,7 +2,7 @@
 leader concatenates the parts, so the files are byte-identical to a 1-process build whether 2 or 3 ranks
 built them, also with packing (whose rows are decided from all samples' lengths, across the shares'
 boundaries); a rank killed while building leaves no store in use and the next world finishes it; a store
-error on one rank stops every rank with one line naming it."""
+error, or an unusable node cache, on one rank stops every rank with one line naming it."""
 
 from __future__ import annotations
 
@@ -128,4 +128,22 @@ def test_a_store_error_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     assert errors[0].startswith("rank 0 error: RunAborted: the token store's build (tokenizing the shares) failed "
                                 "on rank 1: StoreUnavailable: injected: the store refuses"), errors
     assert errors[1].startswith("rank 1 error: StoreUnavailable: injected"), errors
+    assert not [k for k in committed_keys(run_dir) if "/manifests/" in k]  # nothing committed
+
+
+def test_an_unusable_node_cache_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    path = write_data(tmp_path)
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=40)
+    run_dir = tmp_path / "runs-2" / "r"
+    # Without the fix rank 1 fails on its node's disk outside the exchanged steps: rank 0 waits in the build's
+    # gather for it and learns only that gloo's connection closed (or waits out the collective timeout, 120 s
+    # in the script), never which rank failed or why.
+    (tmp_path / "cache").mkdir()
+    proc = torchrun(2, run_dir, tmp_path / "cache", [cfg], timeout=100, UNUSABLE_NODE_CACHE_ON_RANK="1")
+    assert proc.returncode != 0, explain(proc)
+    errors = sorted(line for line in proc.stdout.splitlines() if " error: " in line)
+    assert len(errors) == 2, explain(proc)
+    assert errors[0].startswith("rank 0 error: RunAborted: the token store's build (tokenizing the shares) failed "
+                                "on rank 1: NotADirectoryError"), errors
+    assert errors[1].startswith("rank 1 error: NotADirectoryError"), errors
     assert not [k for k in committed_keys(run_dir) if "/manifests/" in k]  # nothing committed

@@ -6,7 +6,8 @@ identity on rank 0, with the restart it was loaded in. A rank whose load fails p
 rank that learnt of the failure prints before torchrun stops the others), exit code 2.
 
 ``FAIL_PART_UPLOADS_ON_RANK=R``: on rank R, the run store refuses to write the build's parts, as a store
-that is gone once its retries are spent.
+that is gone once its retries are spent. ``UNUSABLE_NODE_CACHE_ON_RANK=R``: on rank R, the node cache is
+a path under a regular file, so nothing can be written there (even by root).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def main() -> None:
     fail_rank = os.environ.get("FAIL_PART_UPLOADS_ON_RANK")
     store_type = RefusesParts if fail_rank is not None and int(fail_rank) == world.rank else LocalStore
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    unusable = os.environ.get("UNUSABLE_NODE_CACHE_ON_RANK")
+    if unusable is not None and int(unusable) == world.rank:
+        blocker = os.path.join(os.environ["ELASTIC_FT_INPUT_CACHE"] + f"-rank{world.rank}-is-a-file")
+        with open(blocker, "w") as f:
+            f.write("not a directory\n")
+        os.environ["ELASTIC_FT_INPUT_CACHE"] = os.path.join(blocker, "cache")
     try:
         for doc in sys.argv[2:]:
             store, built = data_mod.load_with_report(DataConfig(**json.loads(doc)), byte_tokenizer(), world=world,

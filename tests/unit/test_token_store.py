@@ -333,3 +333,197 @@ def test_lost_builds_parts_go_only_with_a_commit_and_never_the_committed_blobs(c
     assert {f"tokens/{ident}/{ref['key']}" for ref in manifest["blobs"].values()} <= keys
     shutil.rmtree(cache / "tokens" / ident)
     assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+
+
+def test_a_corrupt_parquet_file_is_refused_in_one_printable_line(cache, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elastic_ft.train.datafiles import DataError
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"t": ["a" * 50] * 200}), str(good), compression="NONE")
+    data = bytearray(good.read_bytes())
+    data[8: len(data) // 2] = b"\xff" * (len(data) // 2 - 8)  # the pages and the footer's start overwritten
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(data))
+    cfg = DataConfig(files=[str(bad)], text_field="t", max_length=32)
+    with pytest.raises(DataError) as err:
+        data_mod.load_with_report(cfg, byte_tokenizer(), store=_run_store(tmp_path), run_id="r")
+    line = str(err.value)
+    assert "data.files" in line and "bad.parquet" in line and "could not be read as parquet" in line
+    assert line.isprintable(), repr(line)  # no newline, no raw byte of the file
+
+
+def test_runs_with_the_same_data_share_the_node_copy_without_hashing_or_replacing_it(cache, tmp_path, monkeypatch):
+    """An LR sweep: two runs (own run ids and locations) of the same data build their own committed stores
+    (other writer and time, same bytes) that name one node copy. The second run's build and load, and a
+    restart of either run, hash nothing and never replace the copy the first run maps."""
+    from elastic_ft.train import token_files
+
+    hashed: list[str] = []
+    real = token_files.verify_file
+
+    def counting(path, refs):
+        hashed.append(path)
+        return real(path, refs)
+
+    monkeypatch.setattr(token_files, "verify_file", counting)
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    first = LocalStore(str(tmp_path / "runs" / "lr-1"))
+    second = LocalStore(str(tmp_path / "runs" / "lr-2"))
+    mapped, report = data_mod.load_with_report(cfg, tok, store=first, run_id="lr-1")
+    expected = np.array(mapped.tokens)
+    copy = cache / "tokens" / report.identity / "tokens.bin"
+    inode = os.stat(copy).st_ino
+    store2, report2 = data_mod.load_with_report(cfg, tok, store=second, run_id="lr-2")
+    assert report2.built and report2.identity == report.identity  # its own committed store, same identity
+    assert os.stat(copy).st_ino == inode  # the copy the first run maps was kept, not replaced
+    assert np.array_equal(np.array(store2.tokens), expected)
+    for store, run_id in ((first, "lr-1"), (second, "lr-2"), (first, "lr-1")):  # restarts of either run
+        again, rep = data_mod.load_with_report(cfg, tok, store=store, run_id=run_id)
+        assert not rep.built and np.array_equal(np.array(again.tokens), expected)
+    assert hashed == []
+    assert os.stat(copy).st_ino == inode
+
+
+@pytest.mark.parametrize("foreign", ["run", "format"])
+def test_a_manifest_of_another_run_or_format_is_a_hard_stop_never_retired(cache, tmp_path, foreign):
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    ident = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].identity
+    manifests = tmp_path / "runs" / "r" / "tokens" / ident / "manifests"
+    run_id, why = "another", "belongs to run 'r'"
+    if foreign == "format":  # a newer elastic_ft's store under this run
+        (manifest,) = manifests.iterdir()
+        doc = json.loads(manifest.read_bytes())
+        doc["format"] = 99
+        manifest.write_text(json.dumps(doc))
+        run_id, why = "r", "has format 99"
+    before = {p.name: p.read_bytes() for p in manifests.iterdir()}
+    with pytest.raises(data_mod.DataError) as err:
+        data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id=run_id)
+    line = str(err.value)
+    assert "\n" not in line and f"tokens/{ident}" in line and why in line, line
+    assert {p.name: p.read_bytes() for p in manifests.iterdir()} == before  # nothing retired or rebuilt over it
+    assert not (tmp_path / "runs" / "r" / "tokens" / ident / "quarantine").exists()
+
+
+def test_a_store_another_writer_of_the_run_committed_first_is_adopted(cache, tmp_path, monkeypatch):
+    """Two jobs of one run build the same store; the other commits first. Its store is this one (same
+    identity, same bytes): adopted, and the leader's node keeps its assembled copy without hashing it."""
+    from elastic_ft.checkpoint.writer import CheckpointWriter
+    from elastic_ft.train import token_build, token_files
+
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    donor = tmp_path / "donor"
+    ident = data_mod.load_with_report(cfg, tok, store=LocalStore(str(donor)), run_id="r")[1].identity
+    expected = np.array(data_mod.load(cfg, tok, store=LocalStore(str(donor)), run_id="r").tokens)
+    shutil.rmtree(cache)
+    run = tmp_path / "runs" / "r"
+    real_commit = CheckpointWriter.commit_manifest
+
+    def other_job_first(self, snap, blobs):  # the other job's whole store lands just before our commit
+        shutil.copytree(donor / "tokens" / ident, run / "tokens" / ident, dirs_exist_ok=True)
+        return real_commit(self, snap, blobs)
+
+    monkeypatch.setattr(token_build.CheckpointWriter, "commit_manifest", other_job_first)
+    hashed: list[str] = []
+    real_verify = token_files.verify_file
+    monkeypatch.setattr(token_files, "verify_file", lambda p, refs: hashed.append(p) or real_verify(p, refs))
+    store, report = data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")
+    assert report.built and np.array_equal(np.array(store.tokens), expected)
+    manifests = os.listdir(run / "tokens" / ident / "manifests")
+    assert len(manifests) == 1 and hashed == []
+    monkeypatch.setattr(token_build.CheckpointWriter, "commit_manifest", real_commit)
+    assert not data_mod.load_with_report(cfg, tok, store=LocalStore(str(run)), run_id="r")[1].built
+
+
+def test_local_ranks_starting_at_once_hash_a_data_file_once_and_keep_every_digest(tmp_path):
+    """Two ranks of a node read files.json before either wrote it: the second finds the first's digest
+    (under the node lock, read again) instead of hashing the file again, and its save keeps the first's."""
+    from elastic_ft.train.token_identity import FileDigests
+
+    a, b = write_jsonl(tmp_path / "a.jsonl", varied_rows(5)), write_jsonl(tmp_path / "b.jsonl", varied_rows(5, 1))
+    record = str(tmp_path / "node" / "files.json")
+    rank0, rank1 = FileDigests(record), FileDigests(record)
+    opened: list[str] = []
+    watched = {os.path.realpath(a)}
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and \
+                os.path.realpath(os.fsdecode(args[0])) in watched:
+            opened.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(hook)  # cannot be removed; it only appends to this test's list
+    try:
+        digest_a = rank0.digest(a)
+        assert len(opened) == 1
+        assert rank1.digest(a) == digest_a and len(opened) == 1  # not hashed a second time
+        rank1.digest(b)
+    finally:
+        watched = set()
+    known = json.loads((tmp_path / "node" / "files.json").read_text())
+    assert set(known) == {os.path.realpath(a), os.path.realpath(b)}
+
+
+def test_the_store_exchanges_wait_for_the_datas_size_from_the_collective_timeout_floor_up_to_a_cap():
+    from elastic_ft.train.token_build import (
+        MAX_EXCHANGE_TIMEOUT_S, TRANSFER_BYTES_PER_S, WORK_PER_INPUT_BYTE, exchange_timeout,
+    )
+
+    assert exchange_timeout(0, 600.0) == 600.0  # the demo corpus: the collective timeout as it is
+    # 30 GB of data on a slow link: the build and the fetch move about ten bytes per input byte at 20 MB/s.
+    thirty_gb = exchange_timeout(30 * 10**9, 600.0)
+    assert thirty_gb == 600.0 + 30e9 * WORK_PER_INPUT_BYTE / TRANSFER_BYTES_PER_S
+    assert thirty_gb > 4 * 3600  # far beyond the 600 s that cut such a build short
+    assert exchange_timeout(10**9, 60.0) < exchange_timeout(10**9, 600.0) < exchange_timeout(2 * 10**9, 600.0)
+    assert exchange_timeout(10**15, 600.0) == MAX_EXCHANGE_TIMEOUT_S  # bounded, whatever the size
+    assert exchange_timeout(-5, -1.0) == 0.0
+
+
+def test_a_fetch_cut_short_is_resumed_from_its_last_whole_piece(cache, tmp_path, monkeypatch):
+    """A node's fetch of a large store stopped by a store error (or a new world) keeps its verified pieces:
+    the next start fetches only the rest, and the copy is the committed bytes."""
+    from elastic_ft.checkpoint.errors import StoreUnavailable
+    from elastic_ft.train import token_files
+
+    monkeypatch.setattr(token_files, "PIECE_BYTES", 512)  # the test's store in many pieces
+    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(60))
+    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
+    tok = byte_tokenizer()
+    run = str(tmp_path / "runs" / "r")
+    good, built = data_mod.load_with_report(cfg, tok, store=LocalStore(run), run_id="r")
+    expected = {name: (cache / "tokens" / built.identity / name).read_bytes() for name in os.listdir(
+        cache / "tokens" / built.identity) if name != "verified.json"}
+    shutil.rmtree(cache / "tokens" / built.identity)  # a node that never had it
+    fetched: list[str] = []
+
+    class Counting(LocalStore):
+        fail_after: int | None = None
+
+        def get_verified(self, key, **kw):
+            if self.fail_after is not None and len(fetched) >= self.fail_after:
+                raise StoreUnavailable(f"injected: {key} unavailable")
+            fetched.append(key)
+            return super().get_verified(key, **kw)
+
+    cut = Counting(run)
+    cut.fail_after = 7
+    with pytest.raises(StoreUnavailable):
+        data_mod.load_with_report(cfg, tok, store=cut, run_id="r")
+    assert len(fetched) == 7
+    fetched.clear()
+    store, again = data_mod.load_with_report(cfg, tok, store=Counting(run), run_id="r")
+    pieces = len([k for k in LocalStore(run).list(f"tokens/{built.identity}/blobs/")])
+    assert not again.built and pieces > 10
+    assert len(fetched) == pieces - 7  # only what the cut fetch had not landed
+    for name, data in expected.items():
+        assert (cache / "tokens" / built.identity / name).read_bytes() == data, name
+    assert np.array_equal(np.array(store.tokens), np.array(good.tokens))
+    assert not [n for n in os.listdir(cache / "tokens") if ".partial-" in n]
