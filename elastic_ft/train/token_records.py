@@ -28,8 +28,8 @@ import numpy as np
 from elastic_ft.config import DataConfig
 from elastic_ft.train import chat
 from elastic_ft.train.datafiles import (
-    DataError, UnreadableLine, conversation_problem, json_head, json_records, kind_of, line_records, missing_field_error,
-    needed_fields,
+    DataError, UnreadableLine, conversation_problem, json_head, json_records, kind_of, line_records,
+    missing_field_error, needed_fields,
 )
 
 RECORD_BATCH = 1024
