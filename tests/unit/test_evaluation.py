@@ -318,3 +318,40 @@ def test_under_a_standing_notice_no_evaluation_is_started_again_and_the_resume_r
     order = [(e["event"], e["step"]) for e in events if e["event"] in ("eval", "step_done")]
     # the resumed step's evaluation first, then the steps left
     assert order[0] == ("eval", leaves_at) and len(order) == len({leaves_at, 6}) + 6 - leaves_at, order
+    if leaves_at < 6:  # the redone evaluation is in the next checkpoint's manifest, by the step it evaluated
+        from elastic_ft.checkpoint.reader import read_manifest
+        from elastic_ft.checkpoint.retention import eval_losses
+        from elastic_ft.checkpoint.store import open_store
+
+        store = open_store(f"file://{tmp_path}/ckpt/standing")
+        try:
+            losses = eval_losses([read_manifest(store, manifest_key(6))])
+        finally:
+            store.close()
+        redone = next(e for e in events if e["event"] == "eval" and e["step"] == leaves_at)
+        assert set(losses) == {leaves_at, 6} and losses[leaves_at] == pytest.approx(redone["loss"])
+
+
+def test_an_evaluation_redone_after_the_resume_is_carried_by_every_later_checkpoint(evaluator):
+    """The resumed checkpoint (step 4) holds no evaluation of 4 (a notice abandoned it): the evaluation redone
+    after the resume goes into every later manifest as a late record, with those the resumed one carried."""
+    from elastic_ft.checkpoint.retention import eval_losses
+
+    ev, model, _, _ = evaluator(16)
+    ev.resumed({"step": 2, "loss": 3.0, "late": [{"step": 2, "loss": 3.0}, {"bad": 1}]}, 4)
+    assert ev.due(4, 10)
+    result = ev.run(4, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, NoticeBoard()))
+    assert ev.record_for(4)["step"] == 4  # its own, as before
+    carried = ev.record_for(6)
+    assert "step" not in carried
+    by_step = sorted(carried["late"], key=lambda r: r["step"])
+    assert by_step == [{"step": 2, "loss": 3.0}, {"step": 4, "loss": result.loss}]
+    ev.run(6, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, NoticeBoard()))
+    m = Manifest(run_id="r", step=6, cursor=48, created=1.0, writer="w", config_hash="c",
+                 blobs={"model": BlobRef("blobs/x/model.safetensors", 1, "f" * 64)}, eval=ev.record_for(6))
+    assert set(eval_losses([parse_manifest(m.to_json(), key=manifest_key(6))])) == {2, 4, 6}
+    # A step evaluated before its save leaves no late record.
+    fresh, *_ = evaluator(16)
+    fresh.resumed({"step": 4, "loss": 1.0}, 4)
+    fresh.run(6, model=model, forward=model, sharded=False, poll=NoticePoll(fresh.world, NoticeBoard()))
+    assert "late" not in fresh.record_for(6)
