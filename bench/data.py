@@ -92,10 +92,9 @@ def child(args) -> None:
             close_world(world)
         return
     if args.child == "old":
-        from elastic_ft.train.datafiles import read_json_lines
         from elastic_ft.train.model import byte_tokenizer
         sys.path.insert(0, REPO)
-        from tests.unit.old_tokenize import old_tokenize
+        from tests.unit.old_tokenize import old_tokenize, read_json_lines
 
         cfg = config(args.data, args.max_length)
         rows = read_json_lines([args.data])

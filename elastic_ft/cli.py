@@ -230,22 +230,22 @@ def best_checkpoint(uri: str) -> int:
     """The step of the run's committed checkpoint with the lowest eval loss; ArgumentError when none has one."""
     from elastic_ft.checkpoint.manifest import ManifestError
     from elastic_ft.checkpoint.reader import list_manifests, read_manifest
-    from elastic_ft.checkpoint.retention import best_step, eval_loss
+    from elastic_ft.checkpoint.retention import best_step, eval_losses
     from elastic_ft.checkpoint.store import open_store
 
     store = open_store(uri)
-    losses: dict[int, float | None] = {}
+    read = []
     try:
         infos = list_manifests(store)
         for info in infos:
             try:
-                m = read_manifest(store, info.key, size=info.size)
+                read.append(read_manifest(store, info.key, size=info.size))
             except ManifestError:  # a broken one is no candidate; the others still are
                 continue
-            losses[m.step] = eval_loss(m)
     finally:
         store.close()
-    best = best_step(losses)
+    losses = eval_losses(read)  # by the step evaluated: a late record names an earlier checkpoint
+    best = best_step({m.step: losses.get(m.step) for m in read})
     if best is None:
         what = (f"none of its {len(infos)} committed checkpoint(s) records an eval loss (evaluated runs record "
                 f"one at each checkpoint of an evaluated step: eval.every_steps)") if infos else \

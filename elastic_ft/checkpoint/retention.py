@@ -81,11 +81,46 @@ def best_step(eval_losses: dict[int, float | None]) -> int | None:
     return min(scored)[1] if scored else None
 
 
+LATE = "late"
+"""The key, in a manifest's ``eval``, of evaluations of earlier steps whose checkpoints were committed without
+them: ``[{"step", "loss"}]``. An evaluation abandoned on a spot notice commits its step unevaluated and is
+redone after the resume; the checkpoints after it carry its record forward, so that ``keep_best`` and
+``export --best`` find it by the step it evaluated, whatever retention has deleted since."""
+
+MAX_LATE = 64
+"""Late records a manifest carries at most (the lowest losses): one per resume that redid an evaluation."""
+
+
+def _loss(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def eval_loss(manifest) -> float | None:
     """The eval loss a manifest records for its own step (``Manifest.eval``), or None."""
     record = manifest.eval or {}
-    loss = record.get("loss")
-    return float(loss) if record.get("step") == manifest.step and isinstance(loss, (int, float)) else None
+    loss = _loss(record.get("loss"))
+    return loss if record.get("step") == manifest.step else None
+
+
+def late_records(record: dict) -> list[dict]:
+    """The well-formed late records (:data:`LATE`) of a manifest's ``eval`` (it comes from storage: anything
+    else in it is skipped), as ``{"step", "loss"}``."""
+    late = record.get(LATE) if isinstance(record, dict) else None
+    return [{"step": r["step"], "loss": _loss(r.get("loss"))} for r in (late if isinstance(late, list) else [])
+            if isinstance(r, dict) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool)
+            and r["step"] > 0]
+
+
+def eval_losses(manifests) -> dict[int, float | None]:
+    """The eval loss of each evaluated step that ``manifests`` record, by the step it evaluated: each
+    manifest's own step's (:func:`eval_loss`) and the late ones (:data:`LATE`) it carries."""
+    out: dict[int, float | None] = {}
+    for m in manifests:
+        for r in late_records(m.eval or {}):
+            out.setdefault(r["step"], r["loss"])
+        if (own := eval_loss(m)) is not None:
+            out[m.step] = own
+    return out
 
 
 def plan_gc(
@@ -101,9 +136,9 @@ def plan_gc(
     ``blobs`` lists every object under ``blobs/``. The newest checkpoint is
     always kept, whatever the policy holds (even one that bypassed
     validation: keep_last 0 or negative), and no blob referenced by a kept
-    manifest is ever deleted. ``eval_losses`` (step -> the eval loss its
-    manifest records, None where none): with ``policy.keep_best`` the step of
-    the lowest (:func:`best_step`) is kept too.
+    manifest is ever deleted. ``eval_losses`` (step -> the eval loss recorded
+    for it, None where none: :func:`eval_losses`): with ``policy.keep_best``
+    the step of the lowest among the checkpoints (:func:`best_step`) is kept too.
     """
     steps = sorted(manifests)
     # Not steps[-keep_last:]: with keep_last=0 that slice is the whole list (keep all).
@@ -140,7 +175,7 @@ def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: 
     from elastic_ft.checkpoint.manifest import ManifestCorrupt, step_of_key
 
     manifests = {}
-    losses: dict[int, float | None] = {}
+    read = []
     for info in list_manifests(store):
         try:
             m = read_manifest(store, info.key, run_id=run_id, size=info.size)
@@ -149,8 +184,8 @@ def collect(store: ObjectStore, policy: RetentionPolicy, now: float, *, run_id: 
             log.warning("gc skips a corrupt manifest: %s", exc)
             continue
         manifests[step_of_key(info.key)] = (info.key, {b.key for b in m.blobs.values()})
-        losses[step_of_key(info.key)] = eval_loss(m)
-    return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now, losses)
+        read.append(m)
+    return plan_gc(manifests, store.list(BLOB_PREFIX), policy, now, eval_losses(read))
 
 
 def apply_gc(store: ObjectStore, plan: GcPlan) -> None:

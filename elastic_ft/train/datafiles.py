@@ -14,6 +14,12 @@ one JSON document (a list of records, or an object) is checked as a whole, its
 records numbered from 1; a field that no record has is reported as the spec's
 mistake (the field name), not as a line of the data.
 
+A blank line of JSON Lines holds only JSON's whitespace (space, tab, CR, LF),
+as ``json`` and Arrow read it; a line of other Unicode whitespace (NBSP,
+U+2028) is refused naming its line. The token store's build reads JSON Lines
+through the same reader (:func:`json_records`), so the check and the build
+skip, count and number the records alike.
+
 Memory: a line is read with a bound (:data:`MAX_LINE_BYTES`) before it is
 read whole, so a file with one huge line is refused, naming its file and
 line, at the cost of the bound (one 1 GB line took 2.4-4.5 GB of a rank's
@@ -149,27 +155,81 @@ def record_problem(value, fields: dict[str, str]) -> str | None:
 BLANK = object()
 """What :func:`parse_line` returns for a blank line."""
 
+JSON_WHITESPACE = " \t\r\n"
+"""The whitespace of JSON's grammar, the only characters a blank line of JSON Lines holds (``json`` and Arrow
+read the same). Other Unicode whitespace (NBSP, U+2028, ``\\x1c``) is not JSON's: such a line is refused,
+naming it, by the check and the build alike (both read through :func:`json_records`)."""
+_JSON_WHITESPACE_BYTES = JSON_WHITESPACE.encode()
+
 
 class LineProblem(ValueError):
     """One line cannot be read; ``str(exc)`` says why."""
+
+
+class UnreadableLine(DataError):
+    """A line of a JSON Lines file is not a JSON value (or not UTF-8); the message names its file and line."""
 
 
 def _not_utf8(raw: bytes, exc: UnicodeDecodeError) -> LineProblem:
     return LineProblem(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line)")
 
 
+def is_blank(raw: bytes, *, first: bool = False) -> bool:
+    """Whether a line of bytes (a file's ``first``, which may start with a byte-order mark) holds only
+    :data:`JSON_WHITESPACE`: decided on the bytes, so counting records parses nothing."""
+    if first:
+        raw = raw.removeprefix(codecs.BOM_UTF8)
+    return not raw.strip(_JSON_WHITESPACE_BYTES)
+
+
 def parse_line(raw: bytes, *, first: bool = False):
     """The JSON value of one line of bytes, or :data:`BLANK`; raises :class:`LineProblem` saying why not."""
+    if is_blank(raw, first=first):
+        return BLANK
     try:
         text = raw.decode("utf-8-sig" if first else "utf-8")
     except UnicodeDecodeError as exc:
         raise _not_utf8(raw, exc) from None
-    if not text.strip():
-        return BLANK
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
+        if not text.strip():
+            others = sorted({f"U+{ord(c):04X}" for c in text if c not in JSON_WHITESPACE})
+            raise LineProblem(f"only whitespace, some of it not whitespace to JSON ({', '.join(others)}); a blank "
+                              f"line may hold only spaces, tabs and line ends") from None
         raise LineProblem(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def line_records(f: BinaryIO, where: str, path: str, *, skip: int = 0,
+                 parse: bool = True) -> Iterator[tuple[int, object]]:
+    """``(line number, JSON value)`` of each non-blank line of the JSON Lines file ``f`` (``path``, named
+    ``where``), in order: the first ``skip`` records, or all unless ``parse``, counted but not parsed (value
+    None). Raises :class:`UnreadableLine` naming the line of a value that cannot be parsed, and
+    :class:`DataError` for a line past :data:`MAX_LINE_BYTES`. Memory: one line (of the bound at most)."""
+    seen = 0
+    for lineno, raw in _lines(f, where, path):
+        if is_blank(raw, first=lineno == 1):
+            continue
+        seen += 1
+        if not parse or seen <= skip:
+            yield lineno, None
+            continue
+        try:
+            value = parse_line(raw, first=lineno == 1)
+        except LineProblem as exc:
+            raise _line_error(where, path, lineno, str(exc), UnreadableLine) from None
+        yield lineno, value
+
+
+def json_records(paths: list[str], *, skip: int = 0, parse: bool = True) -> Iterator[tuple[str, int, object]]:
+    """``(data.files[I], line number, JSON value)`` of every record of the JSON Lines files ``paths`` (the spec's
+    ``data.files``, in order): :func:`line_records` across files, the first ``skip`` records not parsed. The one
+    reader of JSON Lines records: the check and the token store's build count, skip and number them alike."""
+    for index, path in enumerate(paths):
+        with open(path, "rb") as f:
+            for lineno, value in line_records(f, f"data.files[{index}]", path, skip=skip, parse=parse):
+                skip = max(0, skip - 1)
+                yield f"data.files[{index}]", lineno, value
 
 
 def check_files(cfg: DataConfig, fmt: str) -> None:
@@ -185,40 +245,43 @@ def check_files(cfg: DataConfig, fmt: str) -> None:
             _check_text(path, where)
 
 
-def _line_error(where: str, path: str, lineno: int, problem: str) -> DataError:
-    return DataError(f"{where}:{lineno}: {problem}; fix or remove line {lineno} of {path!r}")
+def _line_error(where: str, path: str, lineno: int, problem: str, kind: type[DataError] = DataError) -> DataError:
+    return kind(f"{where}:{lineno}: {problem}; fix or remove line {lineno} of {path!r}")
 
 
 def _blank_error(where: str, path: str) -> DataError:
     return DataError(f"{where}: {path!r} has only blank lines; add records to it or remove it from data.files")
 
 
-def _check_json(path: str, where: str, fields: dict[str, str]) -> None:
+def json_head(path: str) -> bytes:
+    """The first bytes of a JSON file past a byte-order mark and whitespace: ``[`` starts one JSON array
+    document (parsed whole), anything else is read as JSON Lines."""
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+        return f.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+
+
+def _check_json(path: str, where: str, fields: dict[str, str]) -> None:
+    head = json_head(path)
     if head.startswith(b"["):
         return _check_json_document(path, where, fields)
     seen: set[str] = set()
     first: DataError | None = None
     records = 0
     with open(path, "rb") as f:
-        for lineno, raw in _lines(f, where, path):
-            try:
-                value = parse_line(raw, first=lineno == 1)
-            except LineProblem as exc:
-                if records == 0 and head.startswith(b"{") and _is_json_document(path, where):
-                    return  # one (pretty-printed) JSON object: datasets reads it column-wise
-                raise _line_error(where, path, lineno, str(exc)) from None
-            if value is BLANK:
-                continue
-            records += 1
-            problem = record_problem(value, fields)
-            if problem is not None and not isinstance(value, dict):
-                raise _line_error(where, path, lineno, problem)
-            seen.update(value)
-            if problem is not None and first is None:
-                # Keep reading: a field that no record has is the spec's mistake, reported as such.
-                first = _line_error(where, path, lineno, problem)
+        try:
+            for lineno, value in line_records(f, where, path):
+                records += 1
+                problem = record_problem(value, fields)
+                if problem is not None and not isinstance(value, dict):
+                    raise _line_error(where, path, lineno, problem)
+                seen.update(value)
+                if problem is not None and first is None:
+                    # Keep reading: a field that no record has is the spec's mistake, reported as such.
+                    first = _line_error(where, path, lineno, problem)
+        except UnreadableLine:
+            if records == 0 and head.startswith(b"{") and _is_json_document(path, where):
+                return  # one (pretty-printed) JSON object: datasets reads it column-wise
+            raise
     if records == 0:
         raise _blank_error(where, path)
     _raise_field_problems(fields, seen, first)
@@ -273,33 +336,6 @@ def _check_json_document(path: str, where: str, fields: dict[str, str]) -> None:
         if isinstance(record, dict):
             seen.update(record)
     _raise_field_problems(fields, seen, first)
-
-
-def read_json_lines(paths: list[str]) -> list[dict] | None:
-    """Every record of the JSON Lines files ``paths``, in order (blank lines skipped, as Arrow does), or
-    None where a file is something else (one JSON document, a line that is not an object): ``datasets``
-    reads those, as before.
-
-    For files :func:`check_files` passed. Reading them here spares every
-    worker start the import of ``datasets`` and its Arrow cache (about 1.5 s
-    of a worker's start on 2 cores), which the nodes wait for after each
-    change of membership. Python's ``json`` and Arrow's reader give the same
-    strings, in the same order.
-    """
-    rows: list[dict] = []
-    for index, path in enumerate(paths):
-        with open(path, "rb") as f:
-            for lineno, raw in _lines(f, f"data.files[{index}]", path):
-                try:
-                    value = parse_line(raw, first=lineno == 1)
-                except LineProblem:
-                    return None
-                if value is BLANK:
-                    continue
-                if not isinstance(value, dict):
-                    return None
-                rows.append(value)
-    return rows
 
 
 def _check_text(path: str, where: str) -> None:

@@ -18,7 +18,10 @@ Between micro-batches the ranks agree whether any has a spot notice
 abandoned on every rank, an ``eval_abandoned`` event says how far it got, and
 the caller leaves at the next step boundary. Which step was evaluated travels
 in the checkpoint's manifest (``eval``), so a resume at a step whose
-evaluation did not finish does it first.
+evaluation did not finish does it first; that redone evaluation is then
+carried by every later manifest as a late record
+(:data:`~elastic_ft.checkpoint.retention.LATE`), where ``keep_best`` finds it
+by its step.
 
 Cost per evaluation: ``max_samples / world`` samples' forward passes per rank
 (about a third of a training step's compute per sample), one small all-reduce
@@ -36,6 +39,7 @@ from typing import Callable, ContextManager
 import torch
 import torch.distributed as dist
 
+from elastic_ft.checkpoint.retention import LATE, MAX_LATE, late_records
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train.data import to_device
@@ -90,18 +94,26 @@ class Evaluator:
         self.done_step: int | None = None
         """The step whose evaluation is done (this attempt's, or the resumed checkpoint's)."""
         self.last: EvalResult | None = None
+        self.late: list[dict] = []
+        """Evaluations of steps committed without them (:data:`LATE`), for every later checkpoint's manifest."""
+        self._unrecorded: int | None = None  # the resumed step, when its checkpoint holds no evaluation of it
 
     def due(self, step: int, total_steps: int) -> bool:
         return due(step, total_steps, self.every_steps) and self.done_step != step
 
     def record_for(self, step: int) -> dict:
-        """The evaluation of ``step`` for its checkpoint's manifest ({} when it was not evaluated)."""
-        return self.last.record() if self.last is not None and self.last.step == step else {}
+        """What the manifest of ``step``'s checkpoint records: the evaluation of ``step`` ({} when it was not
+        evaluated), and the late records (:data:`LATE`) when there are any."""
+        own = self.last.record() if self.last is not None and self.last.step == step else {}
+        return {**own, LATE: list(self.late)} if self.late else own
 
     def resumed(self, record: dict, step: int) -> None:
         """The run resumed from a checkpoint of ``step`` whose manifest holds ``record``."""
         if record.get("step") == step:
             self.done_step = step
+        else:  # evaluated after the resume (if due): a late record from then on
+            self._unrecorded = step
+        self.late = late_records(record)
 
     def run(self, step: int, *, model: torch.nn.Module, forward: torch.nn.Module, sharded: bool,
             poll) -> EvalResult | None:
@@ -149,6 +161,10 @@ class Evaluator:
         result = EvalResult(step=step, loss=loss_sum / max(1, count), tokens=count, samples=self.samples,
                             seconds=time.monotonic() - t0)
         self.done_step, self.last = step, result
+        if step == self._unrecorded:
+            late = [r for r in self.late if r["step"] != step] + [{"step": step, "loss": result.record()["loss"]}]
+            # The lowest losses are the ones keep_best can pick (None, not finite: last).
+            self.late = sorted(late, key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["step"]))[:MAX_LATE]
         self.events.emit("eval", step=step, loss=number(result.loss), tokens=count, samples=self.samples,
                          seconds=round(result.seconds, 4))
         return result

@@ -296,9 +296,10 @@ class Trainer:
                 # the same all-reduce (clocks differ): every_seconds then fires at the same step on every rank.
                 age = self.preemption.at_boundary(self, checkpoint_age_s=(
                     None if self.spec.checkpoint.every_seconds is None else time.monotonic() - self.last_ckpt_time))
-                # The evaluation of a resumed step that a notice stopped before (or of this step, stopped by a
-                # notice on which the policy trains on until the deadline): done first.
-                self._evaluate()
+                # The evaluation of a resumed step that a notice stopped before: done first. Abandoned on a
+                # notice: back to the boundary (it agrees at once) to leave, not on to the next step.
+                if not self._evaluate():
+                    continue
                 self._inject_faults()
                 self.step_once()
                 if first and self.node_head:  # the leader's progress lines say the rest
@@ -311,8 +312,8 @@ class Trainer:
                 if due:
                     self.save(why)
             while self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
-                # The last step's evaluation was abandoned on a notice: leave on it now (commits this step), or,
-                # where the policy trains on until the deadline, try the evaluation again.
+                # The last step's evaluation was abandoned on a notice: the boundary agrees on it at once and
+                # leaves (committing this step; the resume evaluates it), or _evaluate leaves.
                 self.preemption.at_boundary(self)
                 self._evaluate()
             self.metrics.flush()
@@ -327,17 +328,23 @@ class Trainer:
         self.events.emit("end", **summary)
         return summary
 
-    def _evaluate(self) -> None:
-        """Evaluate the current step if it is due; on a notice the evaluation is abandoned (on every rank)
-        and the next boundary agrees at once, so the leave waits for neither."""
+    def _evaluate(self) -> bool:
+        """Evaluate the current step if it is due; False when a notice abandoned it (on every rank), the next
+        boundary then agreeing at once, so the leave waits for neither. Under a leave notice the ranks agreed
+        on (trained on by ``spot.train_until_deadline``) it is not started, as it would be abandoned at each
+        try: the step is committed and the run leaves now (:class:`Preempted`); the resume evaluates it."""
         ev = self.evaluator
         if ev is None or not ev.due(self.step, self.total_steps):
-            return
+            return True
+        if self.preemption.leave_standing:
+            self.preemption.leave_now(self, f"the evaluation of step {self.step} cannot finish under the notice; "
+                                            f"it is done after the resume")
         self.metrics.flush()  # the step events before the evaluation's
         done = ev.run(self.step, model=self.model, forward=self.net if self.sharded else self.model,
                       sharded=self.sharded, poll=self.preemption.poll())
         if done is None:
             self.preemption.agree_next()
+        return done is not None
 
     def _inject_faults(self) -> None:
         """The test faults due at this step (ELASTIC_FT_FAULTS; see :mod:`elastic_ft.train.faults`)."""

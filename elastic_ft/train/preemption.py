@@ -19,6 +19,7 @@ restart them in the smaller world (:meth:`Preemption._await_restart`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -193,6 +194,9 @@ class Preemption:
         self._flag = torch.zeros(3, dtype=torch.int64, device=world.device)
         self._skip = 0  # boundaries left before the next agreement (the same on every rank)
         self.checkpoint_age_s: float | None = None  # the leader's, as the last boundary agreed (see agree)
+        self.agreed_level = LEVEL_NONE
+        """The notice level the ranks last agreed on (:meth:`agree`), the same on every rank; while it is
+        :data:`LEVEL_LEAVE` every boundary agrees again."""
         self._handled: set[str] = set()  # rebalance recommendations already answered
         self._announced: set[str] = set()  # notices whose "none" decision was already an event
         self.watcher: Watcher | None = None
@@ -227,7 +231,8 @@ class Preemption:
         """
         if not self.world.distributed:
             self.checkpoint_age_s = checkpoint_age_s
-            return self.board.level
+            self.agreed_level = self.board.level
+            return self.agreed_level
         if self._skip > 0:
             self._skip -= 1
             self.checkpoint_age_s = None
@@ -241,7 +246,15 @@ class Preemption:
         level, slowest_us, agreed_ms = self._flag.tolist()  # one read: on NCCL one device sync per agreement
         self._skip = 0 if level != LEVEL_NONE else agree_every(slowest_us / 1e6) - 1
         self.checkpoint_age_s = None if agreed_ms < 0 else agreed_ms / 1e3
+        self.agreed_level = level
         return level
+
+    @property
+    def leave_standing(self) -> bool:
+        """Whether the last agreement found a notice to leave on some rank (the decision may have been to
+        train on: ``spot.train_until_deadline``). The same on every rank: work that a notice abandons (an
+        evaluation) is not started while it holds, the caller leaves instead (:meth:`leave_now`)."""
+        return self.agreed_level >= LEVEL_LEAVE
 
     def poll(self) -> NoticePoll:
         """A poll of every rank's notices between the micro-batches of an evaluation (see :class:`NoticePoll`)."""
@@ -263,7 +276,19 @@ class Preemption:
             self.sigterm.boundary(trainer.last_step_s)  # a boundary passed: no give-up while steps go on
         if level == LEVEL_NONE:
             return self.checkpoint_age_s
-        notice, decision, leaving = self._decide(trainer)
+        return self._respond(trainer, *self._decide(trainer, self.settings))
+
+    def leave_now(self, trainer: Trainer, why: str) -> None:
+        """Commit and leave on the standing notice (:attr:`leave_standing`) at once, whatever
+        ``spot.train_until_deadline`` would decide: called by every rank alike (the agreed level is the same
+        on all) where the next work cannot finish under the notice (an evaluation that it would abandon at
+        every try). Raises :class:`Preempted`; ``why`` goes into the ``spot_decision`` event's reason."""
+        leave = dataclasses.replace(self.settings, train_until_deadline=False)
+        notice, decision, leaving = self._decide(trainer, leave)
+        self._respond(trainer, notice, dataclasses.replace(decision, reason=f"{decision.reason}; {why}"), leaving)
+
+    def _respond(self, trainer: Trainer, notice: Notice, decision: Decision, leaving: frozenset[str]) -> float | None:
+        """Act on the leader's decision (every rank alike): its event, an early checkpoint or the leave."""
         if decision.leaves and self.sigterm is not None:
             self.sigterm.answering()  # at a boundary, committing: the SIGTERM fallback must not cut in
         if decision.action == "early_checkpoint":
@@ -281,7 +306,7 @@ class Preemption:
             self._leave(trainer, notice, decision, leaving)
         return self.checkpoint_age_s
 
-    def _decide(self, trainer: Trainer) -> tuple[Notice, Decision, frozenset[str]]:
+    def _decide(self, trainer: Trainer, settings: PolicySettings) -> tuple[Notice, Decision, frozenset[str]]:
         """Every rank's notices to the leader, whose decision (and the notice it acted on) all ranks follow;
         also the nodes (``GROUP_RANK``) that leave on it.
 
@@ -301,7 +326,7 @@ class Preemption:
                 step_s=trainer.last_step_s, rebalance_handled=notice.key in self._handled,
             )
             leaving = leaving_nodes((n, [x.level for x in per_rank]) for n, per_rank in reports)
-            choice = (notice, decide(situation, self.settings), leaving)
+            choice = (notice, decide(situation, settings), leaving)
         return broadcast_from_leader(self.world, choice)
 
     def _leave(self, trainer: Trainer, notice: Notice, decision: Decision, leaving: frozenset[str]) -> None:

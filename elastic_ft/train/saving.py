@@ -106,8 +106,9 @@ class Checkpoints:
         ``checkpoint.max_failed_saves`` failed in a row: then the saver raises
         :class:`~elastic_ft.checkpoint.save_errors.SaveFailed` here (on every rank
         alike; the run stops). ``sync`` raises on any failure: the caller needs the checkpoint.
-        ``evaluated``: the evaluation of ``step`` (:meth:`EvalResult.record`), kept in the manifest, where
-        retention (``checkpoint.keep_best``) and a resume read it; {} or None when ``step`` was not evaluated.
+        ``evaluated``: the evaluation of ``step`` (:meth:`EvalResult.record`) and the late records of earlier
+        steps (:meth:`Evaluator.record_for`), kept in the manifest, where retention (``checkpoint.keep_best``)
+        and a resume read them; {} or None when there are none.
         """
         t0 = time.monotonic()
         cfg = self.spec.checkpoint

@@ -4,6 +4,10 @@ Records are counted first (JSON Lines: one pass over the lines without
 parsing them; anything else: ``datasets``, whose Arrow tables are memory-mapped),
 then a rank reads only its contiguous share, a batch of :data:`RECORD_BATCH`
 records at a time: no rank holds more than one batch as Python objects.
+JSON Lines are read through the data check's reader
+(:func:`elastic_ft.train.datafiles.json_records`): the same blank lines
+skipped, the same records counted, the same ``data.files[I]:LINE`` named, the
+same bound on a line.
 A sample is BOS, the prompt, the response, EOS (or BOS, the text, EOS), cut at
 ``max_length`` (also when packing: samples are packed whole into rows later); only
 the response (or the whole text) is trained, exactly as the trainer did before the
@@ -15,18 +19,18 @@ Cost: one tokenizer pass over the rank's share; memory of one batch.
 
 from __future__ import annotations
 
-import codecs
 import itertools
-import json
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
 from elastic_ft.config import DataConfig
 from elastic_ft.train import chat
-from elastic_ft.train.datafiles import DataError, conversation_problem, kind_of, missing_field_error, needed_fields
+from elastic_ft.train.datafiles import (
+    DataError, UnreadableLine, conversation_problem, json_head, json_records, kind_of, line_records,
+    missing_field_error, needed_fields,
+)
 
 RECORD_BATCH = 1024
 """Records tokenized per tokenizer call: large enough for the fast tokenizer's threads, small enough that a
@@ -42,8 +46,8 @@ class Records:
         self.cfg, self.fmt = cfg, fmt
         self.fields = list(needed_fields(cfg))
         self._dataset = None
-        if fmt == "json" and all(_first_is_object(p) for p in cfg.files):
-            self.count = sum(1 for _ in _json_lines(cfg.files, parse=False))
+        if fmt == "json" and all(_is_json_lines(i, p) for i, p in enumerate(cfg.files)):
+            self.count = sum(1 for _ in json_records(cfg.files, parse=False))
         else:
             self._dataset = load_dataset(cfg, fmt)
             columns = set(self._dataset.column_names)
@@ -57,14 +61,8 @@ class Records:
         Lines files (found by reading the lines again: only on the way to an error), else ``data record N``
         (a parquet row, a hub dataset's row, across the files, from 1)."""
         if self._dataset is None:
-            seen = -1
-            for i, path in enumerate(self.cfg.files):
-                with open(path, "rb") as f:
-                    for lineno, raw in enumerate(f, 1):
-                        if raw.lstrip(codecs.BOM_UTF8 if lineno == 1 else b"").strip():
-                            seen += 1
-                            if seen == index:
-                                return f"data.files[{i}]:{lineno}"
+            where, lineno, _ = next(itertools.islice(json_records(self.cfg.files, parse=False), index, None))
+            return f"{where}:{lineno}"
         return f"data record {index + 1}"
 
     def batches(self, lo: int, hi: int, size: int = RECORD_BATCH) -> Iterator[tuple[int, dict[str, list]]]:
@@ -76,40 +74,25 @@ class Records:
                 except UnicodeDecodeError as exc:
                     raise DataError(f"data holds text that is not UTF-8 ({exc.reason}); fix the data") from exc
             return
-        rows = itertools.islice(_json_lines(self.cfg.files, parse=True, skip=lo), hi - lo)
+        rows = (value for _, _, value in itertools.islice(json_records(self.cfg.files, skip=lo), lo, hi))
         start = lo
         while batch := list(itertools.islice(rows, size)):
             yield start, {f: [row.get(f) for row in batch] for f in self.fields}
             start += len(batch)
 
 
-def _first_is_object(path: str) -> bool:
-    """Whether a JSON file is JSON Lines of objects (its first non-blank line is one object), not one document."""
+def _is_json_lines(index: int, path: str) -> bool:
+    """Whether a JSON file is JSON Lines of objects (its first record is one object), not one document
+    (``datasets`` reads that)."""
+    if json_head(path).startswith(b"["):  # an array on one line may be past a line's bound: never read as lines
+        return False
     with open(path, "rb") as f:
-        for n, raw in enumerate(f):
-            text = raw.lstrip(codecs.BOM_UTF8) if n == 0 else raw
-            if text.strip():
-                try:
-                    return isinstance(json.loads(text), dict)
-                except ValueError:
-                    return False
+        try:
+            for _, value in line_records(f, f"data.files[{index}]", path):
+                return isinstance(value, dict)
+        except UnreadableLine:  # a pretty-printed object's first line: the data check passed it as a document
+            return False
     return False
-
-
-def _json_lines(paths: list[str], *, parse: bool, skip: int = 0) -> Iterator[Any]:
-    """The non-blank lines of JSON Lines files in order (parsed when ``parse``), the first ``skip`` unparsed."""
-    seen = 0
-    for path in paths:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f):
-                if n == 0:
-                    raw = raw.lstrip(codecs.BOM_UTF8)
-                if not raw.strip():
-                    continue
-                seen += 1
-                if seen <= skip:
-                    continue
-                yield json.loads(raw) if parse else None
 
 
 SAVED_MARKERS = ("state.json", "dataset_dict.json")
@@ -185,18 +168,20 @@ def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer) -> tuple[list[list[int]], list[int]]:
+def encode(columns: dict[str, list], first: int, cfg: DataConfig, tokenizer,
+           place=lambda index: f"data record {index + 1}") -> tuple[list[list[int]], list[int]]:
     """The token ids of each record and how many of its leading tokens are not trained.
 
-    Records are numbered from ``first`` (0-based, across all files) for errors. A sample is BOS, the
-    prompt, the response, EOS (or BOS, the text, EOS), cut at ``max_length`` (packing places whole samples
-    into rows later: :mod:`elastic_ft.train.token_packing`); a prompt is not trained.
+    Records are numbered from ``first`` (0-based, across all files); ``place(index)`` names one in an
+    error. A sample is BOS, the prompt, the response, EOS (or BOS, the text, EOS), cut at ``max_length``
+    (packing places whole samples into rows later: :mod:`elastic_ft.train.token_packing`); a prompt is
+    not trained.
     """
     def texts(field: str) -> list[str]:
         values = columns[field]
         for k, text in enumerate(values):
             if not isinstance(text, str):
-                raise DataError(f"data record {first + k + 1}: field {field!r} is {kind_of(text)}, not text; "
+                raise DataError(f"{place(first + k)}: field {field!r} is {kind_of(text)}, not text; "
                                 f"fix or remove that record")
         return token_ids(tokenizer, values)
 
@@ -242,7 +227,7 @@ def encode_marked(columns: dict[str, list], first: int, cfg: DataConfig, tokeniz
         samples, masks = encode_chat(columns, first, cfg, tokenizer, template, place)
         total = sum(len(s) for s in samples)
         return samples, np.fromiter(itertools.chain.from_iterable(masks), dtype=np.uint8, count=total)
-    samples, untrained = encode(columns, first, cfg, tokenizer)
+    samples, untrained = encode(columns, first, cfg, tokenizer, place)
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     marks = np.ones(int(lengths.sum()), dtype=np.uint8)
     for s, u in zip(np.cumsum(lengths) - lengths, untrained):

@@ -133,11 +133,6 @@ class TokenStore:
         """Items: packed rows when packed, else samples."""
         return self.header.rows if self.packed else self.header.samples
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """Tokens per sample (a new array of ``samples`` int64: computed on use, not kept)."""
-        return np.diff(self.offsets)
-
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Sample ``index``'s token ids and trained-token marks (views of the mapped files)."""
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])

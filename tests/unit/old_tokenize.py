@@ -1,12 +1,21 @@
 """The data path before the token store (``train/data.py: tokenize`` until issue 25), kept only as the
-reference the store's samples must equal token for token: Python lists of every sample, then
-``(n, max_length)`` tensors padded to ``max_length``."""
+reference the store's samples must equal token for token, and as bench/data.py's baseline: every record
+read as Python objects (:func:`read_json_lines`), Python lists of every sample, then ``(n, max_length)``
+tensors padded to ``max_length``."""
 
 from __future__ import annotations
 
 import torch
 
+from elastic_ft.train.datafiles import json_records
+
 IGNORE = -100
+
+
+def read_json_lines(paths: list[str]) -> list[dict]:
+    """Every record of the JSON Lines files ``paths``, in order, held as Python objects (the loader before the
+    store; read through the trainer's own line reader, so the same records)."""
+    return [value for _, _, value in json_records(paths)]
 
 
 def old_tokenize(texts: dict[str, list[str]], cfg, tokenizer) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ import pytest
 
 from elastic_ft.config import DataConfig
 from elastic_ft.train import datafiles
-from elastic_ft.train.datafiles import DataError, check_files, read_json_lines
+from elastic_ft.train.datafiles import DataError, check_files
+from elastic_ft.train.token_records import Records
 
 GOOD = json.dumps({"prompt": "2+2=", "response": " 4"})
 FIELDS = {"prompt_field": "prompt", "response_field": "response"}
@@ -49,16 +50,19 @@ def test_a_line_at_the_bound_is_read(tmp_path, monkeypatch):
     line = json.dumps(record)
     assert len(line) == 4096
     path = _file(tmp_path, "corpus.jsonl", [GOOD, line, GOOD])
-    check_files(DataConfig(files=[path], **FIELDS), "json")
-    assert read_json_lines([path]) == [json.loads(GOOD), record, json.loads(GOOD)]
+    cfg = DataConfig(files=[path], **FIELDS)
+    check_files(cfg, "json")
+    records = Records(cfg, "json")  # the token store's build reads the line too
+    assert [columns for _, columns in records.batches(0, records.count)] == [
+        {field: [r[field] for r in (json.loads(GOOD), record, json.loads(GOOD))] for field in ("prompt", "response")}]
 
 
-def test_the_line_reader_of_training_is_bounded_too(tmp_path, monkeypatch):
-    # read_json_lines is what a worker reads after the check: the same bound, the same message.
+def test_the_line_reader_of_the_token_store_build_is_bounded_too(tmp_path, monkeypatch):
+    # Records is what a rank reads to build its share of the store: the same bound, the same message.
     monkeypatch.setattr(datafiles, "MAX_LINE_BYTES", 1024)
     path = _file(tmp_path, "corpus.jsonl", [GOOD, "x" * 2000])
     with pytest.raises(DataError, match=r"^data.files\[0\]:2: a line longer than 1,024 bytes, the most"):
-        read_json_lines([path])
+        Records(DataConfig(files=[path], **FIELDS), "json")
 
 
 def test_a_json_document_over_its_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):

@@ -236,3 +236,122 @@ def test_eval_files_and_settings_do_not_change_the_config_hash_but_a_fraction_do
     assert load_spec(DEFAULT_SPEC, [f"data.eval_files=[{DEFAULT_SPEC}]", "eval.every_steps=5",
                                     "eval.max_samples=9"]).hash() == base
     assert load_spec(DEFAULT_SPEC, ["data.eval_fraction=0.1", "eval.every_steps=5"]).hash() != base
+
+
+# ------------------------------------------------------------------ a notice the policy trains on
+
+
+def _trainer(tmp_path, attempt: str):
+    """The real trainer in this process (one rank, no process group) on a short run with an evaluation every
+    2 steps and ``spot.train_until_deadline``: a leave notice with time left is trained on."""
+    import os
+
+    from elastic_ft.train import loop
+    from tests.unit.inprocess import SHORT
+
+    spec = load_spec(DEFAULT_SPEC, [*SHORT, "checkpoint.every_steps=2", "data.eval_fraction=0.2",
+                                    "eval.every_steps=2", "eval.max_samples=40", "spot.enabled=false",
+                                    "spot.train_until_deadline=true"])
+    opts = loop.RunOptions(run_id="standing", checkpoint_uri=f"file://{tmp_path}/ckpt",
+                           log_dir=os.path.join(tmp_path, attempt))
+    return loop.Trainer(spec, opts, World(0, 1, 0, 1, torch.device("cpu"))), os.path.join(tmp_path, attempt,
+                                                                                          "events.jsonl")
+
+
+@pytest.mark.parametrize("notice_after, started_after, leaves_at", [(3, 0, 4), (6, 1, 6)],
+                         ids=["mid-run", "after-the-last-step"])
+def test_under_a_standing_notice_no_evaluation_is_started_again_and_the_resume_redoes_it(
+        cache, tmp_path, notice_after, started_after, leaves_at):
+    """A terminate notice an hour ahead, posted after step ``notice_after``; the policy trains on. An
+    evaluation due under it would be abandoned at every try (the old loop retried it at every boundary, and
+    after the last step spun until the deadline; mid-run the step's evaluation was lost): none is started once
+    the ranks agreed on the notice (one already running when it came is abandoned), the run commits the
+    evaluated step and leaves, and the resume evaluates that step before anything else."""
+    import time
+
+    from elastic_ft.train.preemption import Preempted
+
+    threads = torch.get_num_threads()
+    trainer, events_path = _trainer(tmp_path, "first")
+    posted = []
+    started_under_notice = []
+    step_once, run_eval = trainer.step_once, trainer.evaluator.run
+
+    def step_then_notice():
+        result = step_once()
+        if trainer.step == notice_after:
+            trainer.saver.flush()  # a commit measured: the policy weighs it against the time left
+            trainer.preemption.board.post(Notice("terminate", time.time() + 3600, time.time(), "test"))
+            posted.append(trainer.step)
+        return result
+
+    def counted_run(step, **kw):
+        if posted:
+            started_under_notice.append(step)
+            assert len(started_under_notice) <= started_after, f"evaluations started under the notice: " \
+                                                               f"{started_under_notice}"
+        return run_eval(step, **kw)
+
+    trainer.step_once, trainer.evaluator.run = step_then_notice, counted_run
+    try:
+        with pytest.raises(Preempted) as info:
+            trainer.run()
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    assert info.value.step == leaves_at and len(started_under_notice) == started_after
+    events = read_events(events_path)
+    decisions = [(e["step"], e["action"]) for e in events if e["event"] == "spot_decision"]
+    assert decisions[0] == (notice_after, "none"), decisions  # trained on: the case at hand
+    (left,) = [e for e in events if e["event"] == "spot_decision" and e["action"] != "none"]
+    assert left["step"] == leaves_at and f"the evaluation of step {leaves_at} cannot finish" in left["reason"]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [2] + ([4] if notice_after > 4 else [])
+
+    resumed, events_path = _trainer(tmp_path, "second")
+    try:
+        assert resumed.run()["step"] == 6
+    finally:
+        resumed.close()
+        torch.set_num_threads(threads)
+    events = read_events(events_path)
+    assert [e["step"] for e in events if e["event"] == "eval"] == sorted({leaves_at, 6})
+    order = [(e["event"], e["step"]) for e in events if e["event"] in ("eval", "step_done")]
+    # the resumed step's evaluation first, then the steps left
+    assert order[0] == ("eval", leaves_at) and len(order) == len({leaves_at, 6}) + 6 - leaves_at, order
+    if leaves_at < 6:  # the redone evaluation is in the next checkpoint's manifest, by the step it evaluated
+        from elastic_ft.checkpoint.reader import read_manifest
+        from elastic_ft.checkpoint.retention import eval_losses
+        from elastic_ft.checkpoint.store import open_store
+
+        store = open_store(f"file://{tmp_path}/ckpt/standing")
+        try:
+            losses = eval_losses([read_manifest(store, manifest_key(6))])
+        finally:
+            store.close()
+        redone = next(e for e in events if e["event"] == "eval" and e["step"] == leaves_at)
+        assert set(losses) == {leaves_at, 6} and losses[leaves_at] == pytest.approx(redone["loss"])
+
+
+def test_an_evaluation_redone_after_the_resume_is_carried_by_every_later_checkpoint(evaluator):
+    """The resumed checkpoint (step 4) holds no evaluation of 4 (a notice abandoned it): the evaluation redone
+    after the resume goes into every later manifest as a late record, with those the resumed one carried."""
+    from elastic_ft.checkpoint.retention import eval_losses
+
+    ev, model, _, _ = evaluator(16)
+    ev.resumed({"step": 2, "loss": 3.0, "late": [{"step": 2, "loss": 3.0}, {"bad": 1}]}, 4)
+    assert ev.due(4, 10)
+    result = ev.run(4, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, NoticeBoard()))
+    assert ev.record_for(4)["step"] == 4  # its own, as before
+    carried = ev.record_for(6)
+    assert "step" not in carried
+    by_step = sorted(carried["late"], key=lambda r: r["step"])
+    assert by_step == [{"step": 2, "loss": 3.0}, {"step": 4, "loss": result.loss}]
+    ev.run(6, model=model, forward=model, sharded=False, poll=NoticePoll(ev.world, NoticeBoard()))
+    m = Manifest(run_id="r", step=6, cursor=48, created=1.0, writer="w", config_hash="c",
+                 blobs={"model": BlobRef("blobs/x/model.safetensors", 1, "f" * 64)}, eval=ev.record_for(6))
+    assert set(eval_losses([parse_manifest(m.to_json(), key=manifest_key(6))])) == {2, 4, 6}
+    # A step evaluated before its save leaves no late record.
+    fresh, *_ = evaluator(16)
+    fresh.resumed({"step": 4, "loss": 1.0}, 4)
+    fresh.run(6, model=model, forward=model, sharded=False, poll=NoticePoll(fresh.world, NoticeBoard()))
+    assert "late" not in fresh.record_for(6)

@@ -179,3 +179,43 @@ def test_best_step():
     assert best_step({4: None, 8: float("nan")}) is None
     assert best_step({4: 2.0, 8: 1.0, 12: 1.0}) == 8
     assert best_step({4: True, 8: 3.0}) == 8  # a bool is not a loss
+
+
+# A late evaluation: the checkpoint of its step was committed without it (a notice abandoned it), the resume
+# redid it, and the checkpoints after carry it; keep_best reads it by the step it evaluated.
+
+def _manifest(step, evaluated):
+    from elastic_ft.checkpoint.manifest import BlobRef, Manifest
+
+    return Manifest(run_id="r", step=step, cursor=step * 8, created=1.0, writer="w", config_hash="c",
+                    blobs={"model": BlobRef(f"blobs/{step:012d}-n/model.safetensors", 1, "f" * 64)}, eval=evaluated)
+
+
+def test_keep_best_finds_a_late_evaluation_by_the_step_it_evaluated():
+    from elastic_ft.checkpoint.retention import eval_losses
+
+    late = {"late": [{"step": 20, "loss": 0.5}]}
+    read = [_manifest(10, {"step": 10, "loss": 2.0}), _manifest(20, {}),
+            _manifest(30, {"step": 30, "loss": 1.5, **late}), _manifest(40, {"step": 40, "loss": 1.0, **late})]
+    losses = eval_losses(read)
+    assert losses == {10: 2.0, 20: 0.5, 30: 1.5, 40: 1.0}
+    manifests, blobs = store_of([10, 20, 30, 40])
+    assert plan_gc(manifests, blobs, RetentionPolicy(keep_last=1, keep_best=True), NOW, losses).kept_steps == [20, 40]
+    # 30 deleted by retention: the newest checkpoint still carries the record, so 20 stays the best.
+    assert eval_losses([read[1], read[3]]) == {20: 0.5, 40: 1.0}
+    manifests, blobs = store_of([20, 40])
+    policy = RetentionPolicy(keep_last=1, keep_best=True)
+    assert plan_gc(manifests, blobs, policy, NOW, eval_losses([read[1], read[3]])).kept_steps == [20, 40]
+    # A late record of a checkpoint retention deleted is no candidate: the best among those that exist.
+    manifests, blobs = store_of([30, 40])
+    assert plan_gc(manifests, blobs, policy, NOW, losses).kept_steps == [40]
+
+
+def test_late_records_from_storage_are_read_defensively():
+    from elastic_ft.checkpoint.retention import eval_losses
+
+    odd = [{"step": "x", "loss": 1.0}, 7, {"step": True, "loss": 1.0}, {"step": -3, "loss": 1.0},
+           {"step": 50, "loss": 0.1}, {"step": 20}, {"step": 30, "loss": "low"}]
+    assert eval_losses([_manifest(50, {"step": 50, "loss": 3.0, "late": odd})]) == {50: 3.0, 20: None, 30: None}
+    assert eval_losses([_manifest(50, {"late": {"step": 20, "loss": 1.0}})]) == {}  # not a list
+    assert eval_losses([_manifest(50, {})]) == {}
