@@ -12,7 +12,7 @@ measures in one run and prints as a table:
   tokenizing every sample into ``(n, max_length)`` int64 tensors; at ``--old-samples`` samples, default
   at most 10,000, since at 100k it needs about 17 GB), and the demo corpus (1,024 lines) for reference;
 - tokens computed per real token over one epoch, as the trainer deals it (``--global-batch`` over
-  ``--world`` ranks, micro-batches of ``--micro-batch``; :func:`elastic_ft.train.loop.step_tokens`):
+  ``--world`` ranks, micro-batches of ``--micro-batch``; :func:`elastic_ft.train.micro_batches.step_tokens`):
   padded per micro-batch in dealt order and grouped by length (what the trainer does); with
   ``data.packing`` (a second store, packed rows of whole samples), rows padded per micro-batch (eager,
   sdpa) and one unpadded row per micro-batch (flash-attention); and padding to ``max_length``.
@@ -186,7 +186,7 @@ def padding_ratio(directory: str, global_batch: int, world: int, micro_batch: in
     from types import SimpleNamespace
 
     from elastic_ft.config import BatchConfig
-    from elastic_ft.train import loop
+    from elastic_ft.train import micro_batches as loop_batches
     from elastic_ft.train.cursor import take
     from elastic_ft.train.scaling import plan_batch
     from elastic_ft.train.token_store import TokenStore
@@ -200,7 +200,7 @@ def padding_ratio(directory: str, global_batch: int, world: int, micro_batch: in
     real = computed = 0
     for cursor in range(0, n - plan.global_batch + 1, plan.global_batch):
         indices = [i for _, i in take(cursor, plan.global_batch, n, seed)]
-        counts = loop.step_tokens(store, indices, plan, flat=flat)
+        counts = loop_batches.step_tokens(store, indices, plan, flat=flat)
         real += counts["real_tokens"]
         computed += counts["computed_tokens"]
     return computed / max(1, real)

@@ -29,7 +29,7 @@ from elastic_ft.runevents.events import EventLog  # noqa: E402
 from elastic_ft.spot.watcher import NoticeBoard  # noqa: E402
 from elastic_ft.train import data as data_mod, heldout, loss as loss_mod, model as model_mod  # noqa: E402
 from elastic_ft.train.evaluation import Evaluator  # noqa: E402
-from elastic_ft.train.loop import micro_batches  # noqa: E402
+from elastic_ft.train.micro_batches import micro_batches  # noqa: E402
 from elastic_ft.train.preemption import NoticePoll  # noqa: E402
 from elastic_ft.train.world import World  # noqa: E402
 

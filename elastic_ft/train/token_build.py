@@ -36,13 +36,13 @@ does, and every byte is checked against it when it lands on a node.
 
 Failures. Every step that a rank may fail alone (reading the manifest,
 tokenizing, uploading a part, assembling and committing, copying to the node)
-ends in one exchange where each rank reports how it went (:func:`_together`):
+ends in one exchange where each rank reports how it went (:func:`~elastic_ft.train.token_exchange.together`):
 the rank that failed raises its own error, every other rank
 :class:`~elastic_ft.train.world.RunAborted` naming that rank and its error in
 one line. No rank waits in a later collective for one that gave up. The
 exchanges after the hub fingerprint go through a gloo group made for them
-(:func:`_exchange_group`) whose timeout is the collective timeout plus the
-dataset-sized work at a conservative 20 MB/s (:func:`exchange_timeout`,
+(:func:`~elastic_ft.train.token_exchange.exchange_group`) whose timeout is the collective timeout plus the
+dataset-sized work at a conservative 20 MB/s (:func:`~elastic_ft.train.token_exchange.exchange_timeout`,
 capped at a day): the leader's assembly and upload, and each node's fetch and
 hash, happen while the other ranks wait there, and at tens of GB a fixed
 600 s would cut every world's build short. A rank that dies instead (a lost
@@ -56,7 +56,7 @@ the start (a share depends on the world's size, so a lost world's parts are
 not resumed: a build is one tokenization pass, short next to the restarts it
 saves); its commit removes what the lost world uploaded, and each node's
 lost work directories are swept once no live process holds their lock
-(:func:`~elastic_ft.train.token_files.sweep_scratch`).
+(:func:`~elastic_ft.train.token_workdirs.sweep_scratch`).
 
 Trusting the node copy by its stat. The stamp is each file's size, mtime,
 ctime, inode and device, plus the digest of the manifest it was checked
@@ -109,9 +109,6 @@ import logging
 import os
 import time
 import uuid
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from elastic_ft.checkpoint.errors import ObjectNotFound, StoreError
 from elastic_ft.checkpoint.manifest import ManifestCorrupt, ManifestForeign, manifest_key
@@ -123,14 +120,15 @@ from elastic_ft.config import DataConfig
 from elastic_ft.train import chat
 from elastic_ft.train.datafiles import DataError, check_files
 from elastic_ft.train.faults import Injector
+from elastic_ft.train.token_exchange import exchange_group, together
 from elastic_ft.train.token_files import (
-    StoreTorn, assemble, blob_name, blobs_digest, content_digest, install, local_reader, localize, locked, scratch,
-    store_reader, sweep_scratch, upload_files,
+    StoreTorn, assemble, blob_name, blobs_digest, content_digest, install, local_reader, localize, store_reader, upload_files,
 )
 from elastic_ft.train.token_identity import FileDigests, data_format, identity, token_settings, tokenizer_fingerprint
 from elastic_ft.train.token_records import PART_FILES, Records, dataset_files, load_dataset, share, tokenize_share
 from elastic_ft.train.token_store import FILES, TokenStore, token_dtype
-from elastic_ft.train.world import RunAborted, World, broadcast_from_leader, gather_from_all
+from elastic_ft.train.token_workdirs import locked, scratch, sweep_scratch
+from elastic_ft.train.world import RunAborted, World, broadcast_from_leader
 
 log = logging.getLogger(__name__)
 
@@ -169,49 +167,14 @@ def _committed(sub: ObjectStore, run_id: str):
         return None
 
 
-def _line(exc: BaseException) -> str:
-    """An exception as the one line the other ranks print."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if isinstance(exc, DataError) else f"{type(exc).__name__}: {text}"
-
-
-def _together(world: World, what: str, fn, *, leader_only: bool = False, group=None):
-    """``fn()`` on every rank (or the leader only, its value broadcast), and every rank learns of any rank's
-    failure: the rank that failed raises its own exception, every other one :class:`RunAborted` naming it.
-    So no rank waits in a later collective for a rank that gave up; a rank that dies instead is waited
-    for at most the process group's collective timeout (``group``'s: :func:`_exchange_group`; torchrun stops a
-    node's ranks when one dies)."""
-    mine: BaseException | None = None
-    value = None
-    if world.is_leader or not leader_only:
-        try:
-            value = fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here as it was
-            mine = exc
-    report = (None if mine is None else _line(mine), value)
-    if leader_only:
-        reports = [broadcast_from_leader(world, report, group)]
-        ranks = [0]
-    else:
-        reports = gather_from_all(world, report, group)
-        ranks = list(range(len(reports)))
-    failed = [(rank, line) for rank, (line, _) in zip(ranks, reports) if line is not None]
-    if mine is not None:
-        raise mine
-    if failed:
-        rank, line = failed[0]
-        raise RunAborted(f"the token store's {what} failed on rank {rank}: {line}")
-    return reports[0][1] if leader_only else [v for _, v in reports]
-
-
 def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str | None, tokenizer, ident: str,
           node_root: str, group=None):
     """Tokenize with every rank of ``world``, commit the store; the manifest on every rank.
 
     A failure on any rank (bad data, a store that refuses writes once its retries are spent) stops every
-    rank with one line naming it (:func:`_together`); nothing is committed then, and the next start builds
+    rank with one line naming it (:func:`~elastic_ft.train.token_exchange.together`); nothing is committed then, and the next start builds
     again. Part blobs of builds that never committed are removed by the build that commits
-    (:func:`_remove_orphans`). The exchanges go through ``group`` (:func:`_exchange_group`), whose timeout
+    (:func:`_remove_orphans`). The exchanges go through ``group`` (:func:`~elastic_ft.train.token_exchange.exchange_group`), whose timeout
     allows for the data's size.
     """
     writer = CheckpointWriter(sub, run_id)
@@ -236,8 +199,8 @@ def build(world: World, sub: ObjectStore, run_id: str, cfg: DataConfig, fmt: str
                 return None
             return upload_files(writer, os.path.join(work, "part"), PART_FILES, f"parts/{nonce}/{world.rank:05d}/")
 
-        parts = _together(world, "build (tokenizing the shares)", tokenize, group=group)
-        return _together(world, "build (assembling and committing)", lambda: _assemble_and_commit(
+        parts = together(world, "build (tokenizing the shares)", tokenize, group=group)
+        return together(world, "build (assembling and committing)", lambda: _assemble_and_commit(
             world, sub, writer, parts, cfg, got["dtype"], tokenizer, got["vocab"], ident, got["work"], node_root,
             faults), leader_only=True, group=group)
 
@@ -322,62 +285,23 @@ def _input_bytes(cfg: DataConfig) -> int:
     return total
 
 
-TRANSFER_BYTES_PER_S = 20e6
-"""A conservative rate for the token store's dataset-sized work (tokenizing, uploading the parts, the leader
-downloading them and uploading the store, a node fetching and hashing it): a slow link's, well under what a
-rank tokenizes (the bench: about 2.5 MB of JSON Lines per CPU second) or a cloud link moves."""
-WORK_PER_INPUT_BYTE = 10
-"""Bytes of that work per byte of input data: the store is about 3 bytes per token (uint16 ids and a byte of
-trained mark; at most 5 with 32-bit ids), a token at least a byte of text, and the build moves the store
-about twice (parts up and down, the store up) before a node fetches and hashes it."""
-MAX_EXCHANGE_TIMEOUT_S = 86400.0
-"""The longest the token store's exchanges wait for a rank (spot.collective_timeout_s's own bound)."""
-
-
-def exchange_timeout(input_bytes: int, floor_s: float) -> float:
-    """Seconds the token store's exchanges wait for a rank: ``floor_s`` (the collective timeout) plus the
-    dataset-sized work at :data:`TRANSFER_BYTES_PER_S`, at most :data:`MAX_EXCHANGE_TIMEOUT_S`.
-
-    Why not the collective timeout alone: the leader's assembly and upload, and each node's fetch and hash,
-    happen while the other ranks wait in the exchange; at tens of GB on a slow link that outlasts any fixed
-    bound, and each new world would start the work again. A rank that dies is still noticed sooner (torchrun
-    stops a node's ranks when one dies; a lost node ends the rendezvous)."""
-    work = max(0, input_bytes) * WORK_PER_INPUT_BYTE
-    return min(MAX_EXCHANGE_TIMEOUT_S, max(0.0, floor_s) + work / TRANSFER_BYTES_PER_S)
-
-
-@contextlib.contextmanager
-def _exchange_group(world: World, input_bytes: int):
-    """A gloo group of every rank for the token store's exchanges, its timeout from :func:`exchange_timeout`
-    (None on a single process). Made by every rank at every start (one exchange through the group's store)."""
-    if not world.distributed:
-        yield None
-        return
-    floor = world.collective_timeout.total_seconds() if world.collective_timeout else 600.0
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=exchange_timeout(input_bytes, floor)))
-    try:
-        yield group
-    finally:
-        dist.destroy_process_group(group)
-
-
 def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, tokenizer, node_cache: str) -> tuple[TokenStore, Built]:
     """The run's token store for ``cfg`` and ``tokenizer``, mapped on this rank (built by the world if it
     is not committed yet). Called by every rank alike; ``cfg.files`` are local paths."""
     t0 = time.monotonic()
     node_root = os.path.join(node_cache, "tokens")
-    fmt = _together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
+    fmt = together(world, "data check", lambda: data_format(cfg))[world.rank]  # a file missing on one node
 
     # A hub dataset is named by the fingerprint `datasets` gives what it loaded: the leader loads it (at
     # every start: the fingerprint follows the hub's revision) and tells the others, so the other ranks of a
     # restart with a committed store never load the dataset (a ``data.dataset`` that is a local directory is
     # named by its files' contents on every rank, below). Every rank takes this step when data.dataset is set
     # (the same config on all), whatever its disk shows.
-    hub, hub_bytes = _together(world, "hub dataset's fingerprint", lambda: _hub_fingerprint(cfg, fmt),
+    hub, hub_bytes = together(world, "hub dataset's fingerprint", lambda: _hub_fingerprint(cfg, fmt),
                                leader_only=True) if cfg.dataset else ("", 0)
     # The leader's size: every rank's group gets the same timeout (a node with other files stops below).
     input_bytes = broadcast_from_leader(world, _input_bytes(cfg) + hub_bytes)
-    with _exchange_group(world, input_bytes) as group:
+    with exchange_group(world, input_bytes) as group:
         return _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group, t0)
 
 
@@ -395,7 +319,7 @@ def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group
         return identity(token_settings(cfg, fmt, template), [digests.digest(p) for p in cfg.files],
                         tokenizer_fingerprint(tokenizer), extra)
 
-    names = _together(world, "identity", name, group=group)
+    names = together(world, "identity", name, group=group)
     ident = names[world.rank]
     if any(n != names[0] for n in names):  # a node whose data files differ would build or map another store
         other = next(r for r, n in enumerate(names) if n != names[0])
@@ -404,12 +328,12 @@ def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group
     sub = PrefixedStore(run_store, f"{STORE_PREFIX}{ident}")
     built = False
     for attempt in (1, 2):
-        manifest = _together(world, "manifest read", lambda: _committed(sub, run_id), leader_only=True, group=group)
+        manifest = together(world, "manifest read", lambda: _committed(sub, run_id), leader_only=True, group=group)
         if manifest is None:
             if fmt in ("json", "text"):  # every unusable line named before any rank tokenizes
-                _together(world, "data check", lambda: check_files(cfg, fmt), group=group)
+                together(world, "data check", lambda: check_files(cfg, fmt), group=group)
             manifest, built = build(world, sub, run_id, cfg, fmt, tokenizer, ident, node_root, group), True
-        results = _together(world, "copy to the node", functools.partial(_node_copy, sub, manifest, node_root, ident),
+        results = together(world, "copy to the node", functools.partial(_node_copy, sub, manifest, node_root, ident),
                             group=group)
         problems = [p for p, _ in results if p]
         directory = results[world.rank][1]
@@ -417,7 +341,7 @@ def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group
             break
         log.warning("token store: %s; it is not used, and is built again", problems[0])
         # The retirement is done before anyone reads again.
-        _together(world, "retirement of a torn store", lambda: retire(sub, manifest_key(0), problems[0]),
+        together(world, "retirement of a torn store", lambda: retire(sub, manifest_key(0), problems[0]),
                   leader_only=True, group=group)
     else:
         raise DataError(f"the token store {sub.uri} was torn again after it was rebuilt: {problems[0]}; "

@@ -10,7 +10,8 @@ they were hashed, for a manifest of the same content (``verified.json``: the blo
 sha256, not the run or writer that committed them, since every run on the node with the same data shares
 the copy; why that is sound,
 and what it cannot see: :mod:`elastic_ft.train.token_build`). Several ranks of
-a node share a copy under a file lock; work directories (:func:`scratch`) are
+a node share a copy under a file lock; work directories
+(:func:`~elastic_ft.train.token_workdirs.scratch`) are
 locked while in use, so what a killed process left is found and removed.
 
 Cost: assembling, one pass over the tokens; a fetch, one download (memory:
@@ -21,8 +22,6 @@ stats.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -43,6 +42,7 @@ from elastic_ft.config import DataConfig
 from elastic_ft.train.datafiles import DataError
 from elastic_ft.train.token_packing import pack
 from elastic_ft.train.token_store import FILES, Header
+from elastic_ft.train.token_workdirs import locked, sweep_scratch
 
 log = logging.getLogger(__name__)
 
@@ -188,65 +188,6 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
 
 
 # ---------------------------------------------------------------- the node copy
-
-
-SCRATCH = (".build-", ".fetch-")
-"""Name prefixes of the node cache's work directories (a build's parts and store, a fetch in progress)."""
-
-
-@contextlib.contextmanager
-def scratch(node_root: str, name: str) -> Iterator[str]:
-    """A work directory ``<node_root>/<name>`` (``name`` starts with one of :data:`SCRATCH`), held under a
-    file lock while in use and removed after. A process killed while it holds one (a rank lost mid-build)
-    leaves it behind; :func:`sweep_scratch` removes it once its lock is free."""
-    path = os.path.join(node_root, name)
-    with locked(path + ".lock"):
-        try:
-            os.makedirs(path, exist_ok=True)
-            yield path
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.remove(path + ".lock")
-
-
-def sweep_scratch(node_root: str) -> int:
-    """Remove the work directories of the node cache that no live process holds (their lock is free: the
-    kernel releases a dead process's); how many. Cost: one listing of the node cache's store directory."""
-    try:
-        names = [n for n in os.listdir(node_root) if n.startswith(SCRATCH) and not n.endswith(".lock")]
-    except FileNotFoundError:
-        return 0
-    removed = 0
-    for name in names:
-        path = os.path.join(node_root, name)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # in use by a live build or fetch
-            shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.remove(path + ".lock")
-            removed += 1
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("token store: removed %d work directorie(s) that lost builds or fetches left in %s", removed,
-                 node_root)
-    return removed
-
-
-@contextlib.contextmanager
-def locked(path: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        yield
-    finally:
-        os.close(fd)
 
 
 def _stamp(directory: str) -> dict[str, list[int]]:
@@ -399,5 +340,6 @@ def replace_dir(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-__all__ = ["PIECE_BYTES", "SCRATCH", "StoreTorn", "scratch", "sweep_scratch", "assemble", "blob_name", "blobs_digest", "content_digest",
-           "install", "local_reader", "localize", "locked", "mark_verified", "marked", "replace_dir", "store_reader", "upload_files", "verify_file"]
+__all__ = ["PIECE_BYTES", "StoreTorn", "assemble", "blob_name", "blobs_digest", "content_digest", "install",
+           "local_reader", "localize", "mark_verified", "marked", "replace_dir", "store_reader", "upload_files",
+           "verify_file"]

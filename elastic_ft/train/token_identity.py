@@ -18,7 +18,7 @@ from typing import Any
 
 from elastic_ft.config import DataConfig
 from elastic_ft.train.datafiles import DataError
-from elastic_ft.train.token_files import locked
+from elastic_ft.train.token_workdirs import locked
 from elastic_ft.train.token_store import FORMAT
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from elastic_ft.config import DataConfig, load_spec
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
-from elastic_ft.train.loop import micro_batches
+from elastic_ft.train.micro_batches import micro_batches
 from elastic_ft.train.token_packing import pack
 from elastic_ft.train.token_store import IGNORE
 from tests.conftest import DEFAULT_SPEC

@@ -211,7 +211,7 @@ def test_a_restart_reads_no_data_file(cache, tmp_path):
 def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
     from types import SimpleNamespace
 
-    from elastic_ft.train.loop import step_tokens
+    from elastic_ft.train.micro_batches import step_tokens
 
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * n} for n in (3, 45, 10, 20)])
     store = data_mod.load(DataConfig(files=[path], max_length=48), byte_tokenizer())
@@ -473,7 +473,7 @@ def test_local_ranks_starting_at_once_hash_a_data_file_once_and_keep_every_diges
 
 
 def test_the_store_exchanges_wait_for_the_datas_size_from_the_collective_timeout_floor_up_to_a_cap():
-    from elastic_ft.train.token_build import (
+    from elastic_ft.train.token_exchange import (
         MAX_EXCHANGE_TIMEOUT_S, TRANSFER_BYTES_PER_S, WORK_PER_INPUT_BYTE, exchange_timeout,
     )
 
