@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from elastic_ft.checkpoint.codec import HeaderCorrupt
-from elastic_ft.checkpoint.reader import tensors_from_safetensors
+from elastic_ft.checkpoint.codec import HeaderCorrupt, tensors_from_safetensors
 from elastic_ft.checkpoint.store import BlobMismatch
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.segments import Segments
