@@ -126,7 +126,7 @@ class _Parsed:
 
 
 def _parse(data: bytes | memoryview, *, key: str) -> _Parsed:
-    """The document of blob ``key``, every field checked (no torch); :class:`MetadataCorrupt` naming ``key`` otherwise."""
+    """The document of blob ``key``, every field checked, without torch; :class:`MetadataCorrupt` otherwise."""
     where = f"sharded checkpoint metadata {key!r}"
     if len(data) > MAX_METADATA_BYTES:
         raise MetadataCorrupt(f"{where} has {len(data):,} bytes, more than the {MAX_METADATA_BYTES:,} allowed; "
