@@ -17,7 +17,8 @@
 URI is a run's location, e.g. file:///abs/runs/RUN_ID or s3://bucket/prefix/RUN_ID.
 
 Only what a command needs is imported when it runs (torch for train and
-export), so ``--help`` and the checkpoint commands answer quickly.
+export), so ``--help`` and the read-only commands (``ckpt``, ``status``, ``events``,
+``goodput``) answer quickly: tests/unit/test_cli_no_torch.py holds them to it.
 """
 
 from __future__ import annotations

@@ -24,17 +24,18 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic_ft.checkpoint.choice import CORRUPT, FOREIGN, OK, Outcome, choose, classify, need_more
-from elastic_ft.checkpoint.codec import decode_header, tensors_from_safetensors
-from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX, check_locations, decode_metadata
+from elastic_ft.checkpoint.dcp_metadata import METADATA_BLOB, SHARDED_PREFIX, verify_metadata
 from elastic_ft.checkpoint.manifest import (
     MANIFEST_PREFIX, BlobRef, Manifest, ManifestForeign, check_manifest_size, parse_manifest, step_of_key,
 )
+from elastic_ft.checkpoint.safetensors_header import decode_header
 from elastic_ft.checkpoint.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError, StoreUnavailable
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,10 @@ def probe(store: ObjectStore, info: ObjectInfo, run_id: str | None) -> tuple[Out
 
 def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
     """Fetch and verify every blob of ``manifest``; raises :class:`StoreError` naming the first bad one."""
+    # Imported here, not above: only a load makes tensors, and listing, reading manifests and verifying
+    # (the read-only CLI commands) must not pay torch's import (~3.5 s of CPU).
+    from elastic_ft.checkpoint.codec import tensors_from_safetensors
+
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     documents: dict[str, Any] = {}
     refs = iter(sorted(manifest.blobs.items()))
@@ -156,7 +161,7 @@ def load_blobs(store: ObjectStore, manifest: Manifest) -> LoadedCheckpoint:
                 data = fetch.result()
                 group = name.split("/", 1)[0]  # "model/00001-of-00004": one shard of group "model"
                 if name == METADATA_BLOB:  # decoded and checked, the tensors it describes are not
-                    check_locations(decode_metadata(data, key=ref.key), manifest.blobs, key=ref.key)
+                    verify_metadata(data, manifest.blobs, key=ref.key)
                 elif name.startswith(SHARDED_PREFIX):
                     pass  # a rank's sharded data: its digest was verified, which is all a probe needs
                 elif ref.key.endswith(".safetensors"):
@@ -185,7 +190,7 @@ def verify(store: ObjectStore, manifest: Manifest) -> list[str]:
             if ref.key.endswith(".safetensors"):
                 decode_header(data, key=ref.key)  # a digest proves only that these are the bytes written
             elif name == METADATA_BLOB:
-                check_locations(decode_metadata(data, key=ref.key), manifest.blobs, key=ref.key)
+                verify_metadata(data, manifest.blobs, key=ref.key)
         except Exception as exc:
             outcome = _outcome_of(store, manifest.step, manifest.key, exc)
             if outcome.kind != CORRUPT:

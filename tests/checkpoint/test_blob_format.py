@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from elastic_ft.checkpoint.codec import HeaderCorrupt
-from elastic_ft.checkpoint.reader import tensors_from_safetensors
+from elastic_ft.checkpoint.codec import HeaderCorrupt, tensors_from_safetensors
 from elastic_ft.checkpoint.store import BlobMismatch
 from elastic_ft.checkpoint.digest import blob_sha256
 from elastic_ft.checkpoint.segments import Segments
@@ -162,3 +161,13 @@ def test_writer_bytes_are_unchanged():
     head = b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"I8","shape":[2],"data_offsets":[4,6]}}'
     head += b" " * (-len(head) % 8)
     assert blob == len(head).to_bytes(8, "little") + head + torch.ones(1).numpy().tobytes() + bytes(2)
+
+
+def test_the_torch_free_header_table_agrees_with_torchs_dtypes():
+    """``ckpt verify`` checks headers with safetensors_header's item sizes (no torch); a load views the
+    tensors with codec's torch dtypes. Every name torch has must have torch's item size there."""
+    from elastic_ft.checkpoint.codec import DTYPES
+    from elastic_ft.checkpoint.safetensors_header import ITEMSIZES
+
+    assert set(DTYPES) <= set(ITEMSIZES)
+    assert {name: ITEMSIZES[name] for name in DTYPES} == {name: dtype.itemsize for name, dtype in DTYPES.items()}

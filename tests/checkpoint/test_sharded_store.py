@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import elastic_ft.checkpoint.dcp_metadata as dcp_metadata
-from elastic_ft.checkpoint.dcp_metadata import MetadataCorrupt, Stored, check_locations, decode_metadata, encode_metadata
+from elastic_ft.checkpoint.dcp_metadata import (
+    MetadataCorrupt, Stored, check_locations, decode_metadata, encode_metadata, verify_metadata,
+)
 from elastic_ft.checkpoint.errors import BlobMismatch, StoreUnavailable
 from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.checkpoint.manifest import BlobRef
@@ -58,15 +60,24 @@ def test_sharded_metadata_round_trips():
     assert back.storage_data == md.storage_data and back.planner_data == md.planner_data and back.version == "1"
     blobs = {"sharded/data-a": BlobRef("blobs/a", 68, "x"), "sharded/data-b": BlobRef("blobs/b", 80, "x")}
     check_locations(back, blobs, key="k")
-    with pytest.raises(MetadataCorrupt, match="stored in blob 'sharded/data-b', which its manifest does not list"):
-        check_locations(back, {"sharded/data-a": blobs["sharded/data-a"]}, key="k")
-    with pytest.raises(MetadataCorrupt, match=r"spans bytes 64\.\.80 of blob 'blobs/b', which has 79"):
-        check_locations(back, {**blobs, "sharded/data-b": BlobRef("blobs/b", 79, "x")}, key="k")
+    # verify_metadata (ckpt verify, a probe: no torch) checks the bytes as decode_metadata + check_locations do.
+    verify_metadata(encode_metadata(md), blobs, key="k")
+
+    def both(data: bytes, blobs) -> list:
+        return [lambda: check_locations(decode_metadata(data, key="k"), blobs, key="k"),
+                lambda: verify_metadata(data, blobs, key="k")]
+
+    for check in both(encode_metadata(md), {"sharded/data-a": blobs["sharded/data-a"]}):
+        with pytest.raises(MetadataCorrupt, match="stored in blob 'sharded/data-b', which its manifest does not list"):
+            check()
+    for check in both(encode_metadata(md), {**blobs, "sharded/data-b": BlobRef("blobs/b", 79, "x")}):
+        with pytest.raises(MetadataCorrupt, match=r"spans bytes 64\.\.80 of blob 'blobs/b', which has 79"):
+            check()
     # A size its chunks do not fill: whole, it would be allocated at that size by load_sharded_full.
-    huge = decode_metadata(_mutated(lambda d: d["tensors"]["model.w"].update(size=[1 << 30, 4])), key="k")
-    with pytest.raises(MetadataCorrupt, match=r"describes tensors of 8,589,934,596 bytes in all, more than its "
-                                              r"blobs hold \(148\)"):
-        check_locations(huge, blobs, key="k")
+    for check in both(_mutated(lambda d: d["tensors"]["model.w"].update(size=[1 << 30, 4])), blobs):
+        with pytest.raises(MetadataCorrupt, match=r"describes tensors of 8,589,934,596 bytes in all, more than "
+                                                  r"its blobs hold \(148\)"):
+            check()
 
 
 def _mutated(change) -> bytes:
@@ -98,6 +109,8 @@ def test_sharded_metadata_refuses_malformed(data, match):
         decode_metadata(data, key="blobs/1-n/sharded-metadata.json")
     assert "'blobs/1-n/sharded-metadata.json'" in str(err.value)
     assert isinstance(err.value, BlobMismatch)  # resume counts it corrupt and falls back
+    with pytest.raises(MetadataCorrupt, match=match):  # and so does a verify, which builds no DCP objects
+        verify_metadata(data, {}, key="blobs/1-n/sharded-metadata.json")
 
 
 def test_sharded_metadata_refuses_oversized_unread(monkeypatch):
