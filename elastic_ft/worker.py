@@ -51,7 +51,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="spec overrides, e.g. optimizer.lr=3e-4 steps=200")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace, *, own_process: bool = False) -> int:
+    """Run the job ``args`` name in this process; the exit code. ``own_process``: the process is the
+    worker's alone (``python -m elastic_ft.worker``, as torchrun starts it), so process-wide choices for
+    its start are made (bitsandbytes kept out unless the base is 4-bit); a caller that runs it in-process
+    (``elastic-ft train``, tests) keeps its interpreter as it is."""
     from elastic_ft.train.loop import RunAborted, RunOptions, run
     from elastic_ft.train.preemption import PREEMPTED_EXIT_CODE, Preempted
     from elastic_ft.train.quantization import keep_bitsandbytes_out
@@ -64,7 +68,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         check_uri(args.checkpoint_uri)  # as typed, before any work: joined with the run id it reads garbled
         spec = load_spec(args.spec, args.overrides)
-        keep_bitsandbytes_out(spec.quantization)  # before peft is imported (the model's build)
+        if own_process:
+            keep_bitsandbytes_out(spec.quantization)  # before peft is imported (the model's build)
         run_id = args.run_id or spec.name
         log_dir = args.log_dir or events_dir(args.checkpoint_uri, run_id, template=spec.logging.dir)
         run(spec, RunOptions(run_id=run_id, checkpoint_uri=args.checkpoint_uri, log_dir=log_dir))
@@ -87,10 +92,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     p = argparse.ArgumentParser(prog="python -m elastic_ft.worker", description=__doc__)
     add_run_arguments(p)
-    return run_from_args(p.parse_args(argv))
+    return run_from_args(p.parse_args(argv), own_process=own_process)
 
 
 def finish(code: int) -> None:
@@ -102,4 +107,4 @@ def finish(code: int) -> None:
 
 
 if __name__ == "__main__":
-    finish(main())
+    finish(main(own_process=True))

@@ -53,7 +53,7 @@ def test_dockerfile_copies_only_paths_in_the_build_context():
     ("ARG VARIANT=cpu\n", "ARG VARIANT=cuda\n", checks.variant_problems, "ARG VARIANT=cpu"),
     ("FROM nvidia/cuda:12.8.1-base-ubuntu24.04", "FROM ubuntu:24.04", checks.variant_problems, "nvidia/cuda"),
     ("https://download.pytorch.org/whl/cpu", "https://pypi.org/simple", checks.variant_problems, "CPU index"),
-    ("pip install -c constraints.txt .", "pip install .", checks.install_problems, "constraints"),
+    ('pip install -c constraints.txt ".[qlora]"', 'pip install ".[qlora]"', checks.install_problems, "constraints"),
     ("COPY elastic_ft ./elastic_ft", "ADD https://example.com/x.tgz /x", checks.install_problems, "ADD"),
     ("USER ${UID}:${UID}", "USER root", checks.runtime_problems, "non-root"),
     ("    HF_HUB_OFFLINE=1 \\\n", "", checks.runtime_problems, "HF_HUB_OFFLINE"),

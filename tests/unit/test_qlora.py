@@ -209,7 +209,8 @@ seen = {}
 loop.run = lambda spec, opts: seen.setdefault("bnb", sys.modules.get("bitsandbytes", "absent"))
 from elastic_ft.worker import main
 
-main(["--spec", sys.argv[1], "--checkpoint_uri", "file://" + sys.argv[2], *sys.argv[3:]])
+main(["--spec", sys.argv[1], "--checkpoint_uri", "file://" + sys.argv[2], *sys.argv[4:]],
+     own_process=sys.argv[3] == "own")
 import peft.import_utils
 
 print("hidden" if seen["bnb"] is None else "importable", peft.import_utils.is_bnb_available())
@@ -217,13 +218,17 @@ print("hidden" if seen["bnb"] is None else "importable", peft.import_utils.is_bn
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("overrides, expected", [([], "hidden False"),
-                                                 (["quantization.load_in_4bit=true"], "importable True")])
-def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, overrides, expected):
+@pytest.mark.parametrize("process, overrides, expected", [
+    ("own", [], "hidden False"),
+    ("own", ["quantization.load_in_4bit=true"], "importable True"),
+    ("shared", [], "importable True"),  # run in-process (elastic-ft train, tests): the interpreter is left alone
+])
+def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, process, overrides, expected):
     """peft imports bitsandbytes whenever it is installed (1.5 s of every worker start, torch's inductor
-    with it): the worker's entry point makes it unimportable for a spec that does not quantize, before the
-    model's build imports peft; a Q-LoRA spec keeps it."""
-    done = subprocess.run([sys.executable, "-c", BNB_PROBE, DEFAULT_SPEC, str(tmp_path), *overrides],
+    with it): the worker's own process (``python -m elastic_ft.worker``, as torchrun starts it) makes it
+    unimportable for a spec that does not quantize, before the model's build imports peft; a Q-LoRA spec
+    keeps it, and so does a caller running the job in its own interpreter."""
+    done = subprocess.run([sys.executable, "-c", BNB_PROBE, DEFAULT_SPEC, str(tmp_path), process, *overrides],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-2000:]
