@@ -238,6 +238,26 @@ def store_mb(directory: str) -> float:
 # ------------------------------------------------------------------ main
 
 
+def store_only(args, data: str, fresh) -> None:
+    """The large case: the store built by a 2-rank world, a restart from it, and the demo corpus's restart."""
+    cache, store = fresh("two")
+    b2 = spawn("build-rank", data, cache, store, args.max_length, ranks=2)
+    r = spawn("load", data, cache, store, args.max_length)
+    assert not r["built"], "the restart built the store again"
+    dcache, dstore = fresh("demo")
+    spawn("load", DEMO, dcache, dstore, 48)
+    d = spawn("load", DEMO, dcache, dstore, 48)
+    print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s} {'CPU s':>8s}")
+    for name, n, row in (("build, 2 ranks (torchrun, gloo)", args.samples, b2),
+                         ("restart, store (to first batch)", args.samples, r),
+                         ("restart, store, demo corpus (1,024)", 1024, d)):
+        took = row["load_s"] if row is b2 else row["seconds"]
+        print(f"{name:42s} {n:>9,d} {took:>9.2f} {row['rss_mb']:>11.0f} {row['cpu_s']:>8.1f}")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end; the build's CPU is its "
+          f"leader's)")
+    print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=100_000)
@@ -248,6 +268,9 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=2, help="ranks the global batch is dealt to")
     p.add_argument("--padding-only", action="store_true",
                    help="only the tokens computed per real token (the stores of an earlier run in --workdir reused)")
+    p.add_argument("--store-only", action="store_true",
+                   help="only the store's 2-rank build and restarts against the demo corpus (the large case: "
+                        "--samples 1000000 without the 1-process build, datasets.map and the old path)")
     p.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="where the data and stores go (default: a temporary directory)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -288,6 +311,8 @@ def main(argv=None) -> None:
         shutil.rmtree(os.path.join(work, name), ignore_errors=True)
         return cache, store
 
+    if args.store_only:
+        return store_only(args, data, fresh)
     cache, store = fresh("one")
     b1 = spawn("load", data, cache, store, args.max_length)
     rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"], b1["cpu_s"]))

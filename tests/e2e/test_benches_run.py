@@ -35,3 +35,11 @@ def test_chunked_loss_bench_runs():
                  "--repeats", "1")
     assert done.returncode == 0, explain(done)
     assert "chunked" in done.stdout, explain(done)
+
+
+def test_data_bench_runs_its_store_measures():
+    """``bench/data.py``'s children (a 2-rank torchrun build, restarts from the store) at 200 samples."""
+    done = bench("data.py", "--samples", "200", "--max-length", "128", "--store-only")
+    assert done.returncode == 0, explain(done)
+    assert re.search(r"restart vs demo corpus: [+-]\d+\.\d+ s", done.stdout), explain(done)
+    assert "build, 2 ranks" in done.stdout, explain(done)

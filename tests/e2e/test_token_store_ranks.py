@@ -114,36 +114,26 @@ def test_a_rank_killed_while_building_leaves_no_store_in_use_and_the_next_world_
     assert not [n for n in os.listdir(cache / "tokens") if n.startswith(".build-")], os.listdir(cache / "tokens")
 
 
-def test_a_store_error_on_one_rank_stops_every_rank_with_one_line(tmp_path):
-    path = write_data(tmp_path)
-    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=40)
-    run_dir = tmp_path / "runs-2" / "r"
+@pytest.mark.parametrize("fault, error", [
     # Without the fix rank 0 waits in the build's gather for a rank that gave up, until the collective
     # timeout (120 s in the script): the settle of rank 1 gives up after 20 s and torchrun stops rank 0
     # before it printed anything.
-    proc = torchrun(2, run_dir, tmp_path / "cache", [cfg], timeout=100, FAIL_PART_UPLOADS_ON_RANK="1")
-    assert proc.returncode != 0, explain(proc)
-    errors = sorted(line for line in proc.stdout.splitlines() if " error: " in line)
-    assert len(errors) == 2, explain(proc)
-    assert errors[0].startswith("rank 0 error: RunAborted: the token store's build (tokenizing the shares) failed "
-                                "on rank 1: StoreUnavailable: injected: the store refuses"), errors
-    assert errors[1].startswith("rank 1 error: StoreUnavailable: injected"), errors
-    assert not [k for k in committed_keys(run_dir) if "/manifests/" in k]  # nothing committed
-
-
-def test_an_unusable_node_cache_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    ("FAIL_PART_UPLOADS_ON_RANK", "StoreUnavailable: injected: the store refuses"),
+    # Without the fix rank 1 fails on its node's disk outside the exchanged steps: rank 0 waits in the build's
+    # gather for it and learns only that gloo's connection closed (or waits out the collective timeout),
+    # never which rank failed or why.
+    ("UNUSABLE_NODE_CACHE_ON_RANK", "NotADirectoryError"),
+], ids=["store error", "unusable node cache"])
+def test_a_failure_on_one_rank_stops_every_rank_with_one_line(tmp_path, fault, error):
     path = write_data(tmp_path)
     cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=40)
     run_dir = tmp_path / "runs-2" / "r"
-    # Without the fix rank 1 fails on its node's disk outside the exchanged steps: rank 0 waits in the build's
-    # gather for it and learns only that gloo's connection closed (or waits out the collective timeout, 120 s
-    # in the script), never which rank failed or why.
     (tmp_path / "cache").mkdir()
-    proc = torchrun(2, run_dir, tmp_path / "cache", [cfg], timeout=100, UNUSABLE_NODE_CACHE_ON_RANK="1")
+    proc = torchrun(2, run_dir, tmp_path / "cache", [cfg], timeout=100, **{fault: "1"})
     assert proc.returncode != 0, explain(proc)
     errors = sorted(line for line in proc.stdout.splitlines() if " error: " in line)
     assert len(errors) == 2, explain(proc)
     assert errors[0].startswith("rank 0 error: RunAborted: the token store's build (tokenizing the shares) failed "
-                                "on rank 1: NotADirectoryError"), errors
-    assert errors[1].startswith("rank 1 error: NotADirectoryError"), errors
+                                f"on rank 1: {error}"), errors
+    assert errors[1].startswith(f"rank 1 error: {error}"), errors
     assert not [k for k in committed_keys(run_dir) if "/manifests/" in k]  # nothing committed

@@ -171,16 +171,35 @@ def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog):
     assert not data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].built
 
 
-def test_an_altered_node_copy_is_fetched_again_not_used(cache, tmp_path):
+def _alter_flip_byte(copy) -> None:
+    data = bytearray(copy.read_bytes())
+    data[3] ^= 0xFF
+    copy.write_bytes(bytes(data))
+
+
+def _alter_in_place_mtime_kept(copy) -> None:
+    st = os.stat(copy)
+    with open(copy, "r+b") as f:  # in place: same inode, same size
+        f.seek(3)
+        byte = f.read(1)
+        f.seek(3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(copy).st_size, os.stat(copy).st_mtime_ns, os.stat(copy).st_ino) == \
+        (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@pytest.mark.parametrize("alter", [_alter_flip_byte, _alter_in_place_mtime_kept], ids=["rewritten", "in place"])
+def test_an_altered_node_copy_is_fetched_again_not_used(cache, tmp_path, alter):
+    """The node copy is trusted by its files' stat stamp once verified. A rewritten file changes it; so does a
+    write that keeps the size and puts the mtime back (a tool restoring timestamps, ``cp -p`` over it): it
+    moves the kernel's ctime. Either way the copy is hashed again and fetched, never mapped as it is."""
     path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
     cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
     tok = byte_tokenizer()
     good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
     expected = np.array(good.tokens)
-    copy = cache / "tokens" / built.identity / "tokens.bin"
-    data = bytearray(copy.read_bytes())
-    data[3] ^= 0xFF
-    copy.write_bytes(bytes(data))
+    alter(cache / "tokens" / built.identity / "tokens.bin")
     store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
     assert not again.built
     assert np.array_equal(np.array(store.tokens), expected)
@@ -219,30 +238,6 @@ def test_a_steps_tokens_count_every_ranks_micro_batches(cache, tmp_path):
     # micro-batches are [1, 2] (47, 12: 2 x 48) and [0] (8), not [0, 1] (2 x 48) and [2] (16) in dealt order.
     plan = SimpleNamespace(per_rank=(3, 1), micro_batch=2)
     assert step_tokens(store, [0, 1, 2, 3], plan) == {"real_tokens": 86, "computed_tokens": 2 * 48 + 8 + 24}
-
-
-def test_a_node_copy_altered_in_place_with_its_mtime_put_back_is_fetched_again_not_used(cache, tmp_path):
-    """The node copy is trusted by its files' stat stamp once verified; a write that keeps the size and puts
-    the mtime back (a tool restoring timestamps, a copy with ``cp -p`` over it) moves the kernel's ctime,
-    so the copy is hashed again and fetched, never mapped as it is."""
-    path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
-    cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
-    tok = byte_tokenizer()
-    good, built = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
-    expected = np.array(good.tokens)
-    copy = cache / "tokens" / built.identity / "tokens.bin"
-    st = os.stat(copy)
-    with open(copy, "r+b") as f:  # in place: same inode, same size
-        f.seek(3)
-        byte = f.read(1)
-        f.seek(3)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert (os.stat(copy).st_size, os.stat(copy).st_mtime_ns, os.stat(copy).st_ino) == \
-        (st.st_size, st.st_mtime_ns, st.st_ino)
-    store, again = data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")
-    assert not again.built
-    assert np.array_equal(np.array(store.tokens), expected)
 
 
 @pytest.mark.parametrize("kind", ["parquet", "text", "saved-dataset", "saved-dataset-dict"])
