@@ -255,7 +255,7 @@ def store_only(args, data: str, fresh) -> None:
         print(f"{name:42s} {n:>9,d} {took:>9.2f} {row['rss_mb']:>11.0f} {row['cpu_s']:>8.1f}")
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end; the build's CPU is its "
           f"leader's)")
-    print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
+    print(f"\nrestart vs demo corpus: {r['seconds'] - d['seconds']:+.2f} s, {r['rss_mb'] - d['rss_mb']:+.0f} MB max RSS")
 
 
 def main(argv=None) -> None:
@@ -350,7 +350,7 @@ def main(argv=None) -> None:
     print(f"\ndatasets.map: JSON to Arrow {m['arrow_s']:.1f} s, map {m['map_s']:.1f} s, Arrow cache files "
           f"{m['cache_mb']:.0f} MiB (on restart: Arrow {mr['arrow_s']:.1f} s, map {mr['map_s']:.1f} s); "
           f"the token store's files: {store_mb(b1['directory']):.0f} MiB")
-    print(f"\nrestart vs demo corpus: +{r['seconds'] - d['seconds']:.2f} s, +{r['rss_mb'] - d['rss_mb']:.0f} MB max RSS")
+    print(f"\nrestart vs demo corpus: {r['seconds'] - d['seconds']:+.2f} s, {r['rss_mb'] - d['rss_mb']:+.0f} MB max RSS")
 
 
 if __name__ == "__main__":

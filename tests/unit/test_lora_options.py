@@ -28,14 +28,15 @@ RUN = ["steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=null", "opti
 # schedule would follow each attempt's own steps=
 DECODER = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-# option -> (overrides, what adapter_config.json must say, whether to check the resume). Resumes are checked
-# where the option adds a kind of trained tensor (DoRA's magnitudes, a module trained in full, on a 4-bit
-# base); rsLoRA's scale, all-linear's targets and gaussian's start change no tensor a checkpoint holds or
-# restores beyond plain LoRA's, whose resume is tested throughout (tests/e2e/test_resume.py).
+# option -> (overrides, what adapter_config.json must say, whether to check the resume). Every option the
+# issue names resumes exactly: those adding a kind of trained tensor (DoRA's magnitudes, a module trained in
+# full, on a 4-bit base), and rsLoRA's scale and all-linear's targets (a resume that rebuilt the adapters
+# with the plain scale or the spec's default targets would not continue the same run); gaussian's start is
+# replaced by the checkpoint's weights at a resume, like plain LoRA's (tests/e2e/test_resume.py).
 OPTIONS = {
     "dora": (["lora.use_dora=true"], {"use_dora": True}, True),
-    "rslora": (["lora.use_rslora=true"], {"use_rslora": True}, False),
-    "all-linear": (["lora.target_modules=all-linear"], {"target_modules": DECODER}, False),
+    "rslora": (["lora.use_rslora=true"], {"use_rslora": True}, True),
+    "all-linear": (["lora.target_modules=all-linear"], {"target_modules": DECODER}, True),
     "modules_to_save": (["lora.target_modules=[q_proj,v_proj]", "lora.modules_to_save=[lm_head]"],
                         {"modules_to_save": ["lm_head"]}, True),
     "gaussian": (["lora.init_lora_weights=gaussian"], {"init_lora_weights": "gaussian"}, False),
