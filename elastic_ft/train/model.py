@@ -98,9 +98,11 @@ def pretrained_kwargs(dtype: torch.dtype, device: torch.device | None) -> dict:
     converted and placed as it is read: one copy of the weights per rank, on its device, never a float32
     one first. transformers 5 always builds on meta; a device map makes it (and 4.x, where it implies
     ``low_cpu_mem_usage``) place each weight on the device instead of in host memory. One device for the
-    whole model: no accelerate dispatch hooks.
+    whole model: no accelerate dispatch hooks. Never hub kernels: transformers 5.25 turned ``use_kernels``
+    on by default, which fetches layer kernels from the Hugging Face Hub while loading (a training node
+    must not need the hub, and those kernels refuse the meta device).
     """
-    kwargs: dict = {"dtype": dtype}
+    kwargs: dict = {"dtype": dtype, "use_kernels": False}
     if device is not None:
         kwargs["device_map"] = {"": str(device)}
     return kwargs

@@ -92,6 +92,8 @@ def test_weights_are_placed_on_the_given_device_not_in_host_memory(tmp_path):
     spec = load_spec(DEFAULT_SPEC, [f"model.name_or_path={path}", "model.config=null", *BF16])
     base = model_mod.build_base(spec.model, None, 0, spec.precision, torch.device("meta"))
     assert {p.device.type for p in base.parameters()} == {"meta"}
+    # use_kernels=False: transformers 5.25 defaults it on, and its hub kernels refuse the meta device (the
+    # load above failed there) and would be fetched from the hub at run time.
     assert model_mod.pretrained_kwargs(torch.bfloat16, torch.device("cuda", 3)) == {
-        "dtype": torch.bfloat16, "device_map": {"": "cuda:3"}}
-    assert model_mod.pretrained_kwargs(torch.float32, None) == {"dtype": torch.float32}
+        "dtype": torch.bfloat16, "device_map": {"": "cuda:3"}, "use_kernels": False}
+    assert model_mod.pretrained_kwargs(torch.float32, None) == {"dtype": torch.float32, "use_kernels": False}
