@@ -50,6 +50,8 @@ class Interval:
     steps: int
     reason: str
     mtbf_s: float
+    ideal: float
+    """Young's interval in steps before rounding and clamping: what :func:`material` compares."""
 
 
 def mean_time_between_losses(losses: int, exposure_s: float, prior_s: float) -> float:
@@ -81,12 +83,20 @@ def choose_interval(*, commit_s: float, step_s: float, losses: int, exposure_s: 
     clamped = f" (clamped to [1, {bound}] from {ideal:.3g})" if steps != round(ideal) else ""
     c = f"C={commit_s:.3g}s{' (assumed: one step, no save measured yet)' if commit_assumed else ''}"
     return Interval(steps, f"Young/Daly: {c}, MTBF={mtbf:.0f}s ({seen}), step {step_s:.3g} s -> every {steps} "
-                           f"steps{clamped}", mtbf)
+                           f"steps{clamped}", mtbf, ideal)
 
 
-def material(old: int | None, new: int) -> bool:
-    """Whether ``new`` replaces ``old`` (see :data:`MATERIAL`); always when there is none yet."""
-    return old is None or abs(new - old) >= MATERIAL * old
+def material(old: Interval | None, new: Interval) -> bool:
+    """Whether ``new`` replaces ``old`` (see :data:`MATERIAL`); always when there is none yet.
+
+    Compared before rounding (a short interval would flip between 3 and 4 steps on noise) and within the
+    bounds (a clamped interval stays while the figures keep it clamped)."""
+    if old is None:
+        return True
+    if old.steps == new.steps:
+        return False
+    lo, hi = sorted((max(1.0, old.ideal), max(1.0, new.ideal)))
+    return hi - lo >= MATERIAL * lo
 
 
 def duration(seconds: float) -> str:
@@ -119,7 +129,8 @@ class AutoInterval:
         self.step_s: float | None = None
         self.commit_s: float | None = None
         self._last_commit: float | None = None  # the saves' last measurement, as last seen (novelty test)
-        self._proposal: Interval | None = None
+        self._proposal: Interval | None = None  # the leader's last proposal (its reason, for the event)
+        self._basis: Interval | None = None  # the figures behind the interval in force (the leader's)
 
     def start(self, store: ObjectStore, attempt: int, now: float) -> None:
         """The leader, at a (re)start: read the run's earlier attempts from ``store`` (the run's location) and
@@ -159,7 +170,7 @@ class AutoInterval:
         choice = choose_interval(commit_s=self.step_s if self.commit_s is None else self.commit_s,
                                  step_s=self.step_s, losses=h.losses, exposure_s=exposure,
                                  prior_mtbf_s=self.prior_s, commit_assumed=self.commit_s is None)
-        if not material(self.steps, choice.steps):
+        if self.steps is not None and not material(self._basis, choice):
             return self.steps
         self._proposal = choice
         return choice.steps
@@ -171,5 +182,7 @@ class AutoInterval:
             return
         old, self.steps = self.steps, agreed
         p = self._proposal
+        if p is not None and p.steps == agreed:
+            self._basis = p
         reason = p.reason if p is not None and p.steps == agreed else "the leader's choice"
         self.events.emit("checkpoint_interval", step=step, old=old, new=agreed, reason=reason)

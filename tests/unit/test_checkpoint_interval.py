@@ -67,9 +67,17 @@ def test_figures_that_cannot_be_used_are_refused(bad):
 
 
 def test_material_change():
-    assert material(None, 7)
-    assert not material(50, 55) and not material(50, 41)
-    assert material(50, 60) and material(50, 40) and material(1, 2)
+    def at(ideal):
+        return choose(commit_s=(ideal * 0.8) ** 2 / (2 * 3600.0))  # Young's ideal of ``ideal`` steps
+
+    assert at(37.0).ideal == pytest.approx(37.0)
+    assert material(None, at(7))
+    assert not material(at(50), at(55)) and not material(at(50), at(42))
+    assert material(at(50), at(60)) and material(at(50), at(40))
+    # Short intervals: compared before rounding, 3.4 -> 3.6 steps is noise, 3 -> 4.5 is not.
+    assert not material(at(3.4), at(3.6)) and material(at(3.0), at(4.5))
+    # Clamped at one step both: no change, however the ideal moves below it.
+    assert not material(at(0.2), at(0.01))
 
 
 # --------------------------------------------------------------------------- the history of attempts
