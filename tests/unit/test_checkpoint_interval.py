@@ -209,3 +209,35 @@ def test_auto_mtbf_is_bounded_and_keep_best_needs_fixed_steps():
     probs = _problems(["checkpoint.every_steps=auto", "checkpoint.keep_best=true", "eval.every_steps=5",
                        "data.eval_fraction=0.1"])
     assert list(probs) == ["checkpoint.keep_best"] and "auto" in probs["checkpoint.keep_best"]
+
+
+def test_history_read_from_a_real_store(tmp_path):
+    # The layout the leaders write: attempt claims, then shipments; only each attempt's last one is read.
+    from elastic_ft.checkpoint.store import open_store
+    from elastic_ft.runevents.attempt_history import read_history
+    from elastic_ft.runevents.layout import claim_attempt
+    from elastic_ft.runevents.shipper import Shipper
+
+    store = open_store(f"file://{tmp_path}/run")
+    try:
+        def attempt(*batches):
+            n = claim_attempt(store)
+            shipper = Shipper(store, n)
+            for batch in batches:
+                for event in batch:
+                    shipper.write(event)
+                shipper.ship()
+            return n
+
+        t = 1.8e9
+        attempt([{"ts": t, "event": "start"}, {"ts": t + 1, "event": "step_done", "seconds": 0.5}],
+                [{"ts": t + 2, "event": "checkpoint_committed", "blocked_s": 0.03}])  # killed after its commit
+        attempt()  # killed before it shipped anything
+        attempt([{"ts": t + 3, "event": "step_done", "seconds": 0.2}], [{"ts": t + 4, "event": "end"}])
+        current = attempt()
+        h = read_history(store, current)
+        assert (h.attempts, h.losses, h.commit_s) == (3, 2, 0.03)
+        assert h.current_start is not None and h.exposure_s >= 0
+        assert read_history(store, current, window=1).losses == 0  # the newest attempt only: it finished
+    finally:
+        store.close()
