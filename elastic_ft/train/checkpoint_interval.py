@@ -5,8 +5,8 @@ the expected time lost per unit of training, ``tau = sqrt(2 * C * MTBF)`` second
 commits, where C is what a commit costs the training (the seconds a save blocks it: the host copy of an
 async save, and any wait for the previous upload; a synchronous save's whole time) and MTBF the run's mean
 time between losses; in steps, ``tau / step time``, rounded and clamped to ``[1, bound]``. (Daly's
-higher-order terms change tau by under 5 % while C < MTBF / 50, which holds for every run where an
-interval of more than a step is right; the restart cost does not move the optimum.)
+higher-order terms shorten tau by under 5 % while C < MTBF / 100, as for any save that blocks training for
+seconds against losses minutes apart; the restart cost does not move the optimum.)
 
 The MTBF is the run's observed one (:mod:`elastic_ft.runevents.attempt_history`: attempts lost, over the
 time the run trained) once it has lost an attempt; before that, the larger of ``checkpoint.auto_mtbf_s``
