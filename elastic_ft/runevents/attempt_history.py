@@ -12,10 +12,10 @@ The time the run trained, against which losses count: each earlier attempt from 
 attempt's claim after a loss (the loss's detection and restart included), or to its last event after a
 clean exit (a run stopped for a week is not a week without failure).
 
-Reads, at a worker's (re)start, by the leader: one LIST of ``events/`` (1000 keys per request: it grows
-with the checkpoints committed), then the claim and the last shipment of each of the last :data:`WINDOW`
-earlier attempts, 8 GETs at a time (the last shipment holds the attempt's end; a clean exit is shipped
-last). Nothing grows with the model, the data or the node count.
+Reads, at a worker's (re)start, by the leader: one LIST of the attempt claims, then for each of the last
+:data:`WINDOW` earlier attempts its claim, a LIST of its own shipments (one per checkpoint it committed,
+1000 keys per request) and its last shipment, 8 requests at a time (the last shipment holds the attempt's
+end: a clean exit is shipped last). Nothing grows with the model, the data or the node count.
 """
 
 from __future__ import annotations
@@ -95,12 +95,12 @@ def read_history(store: ObjectStore, current: int, *, window: int = WINDOW) -> A
     Raises the store's errors (the caller decides without the history).
     """
     numbers = [a for a in claimed_attempts(store) if a < current][-window:]
-    wanted = set(numbers)
-    last: dict[int, tuple[int, str]] = {}  # attempt -> (first seq, key) of its newest shipment
-    for o in store.list(PREFIX):
-        parsed = parse_batch_key(o.key)
-        if parsed is not None and parsed[0] in wanted and parsed[1] >= last.get(parsed[0], (-1, ""))[0]:
-            last[parsed[0]] = (parsed[1], o.key)
+
+    def newest_shipment(a: int) -> str | None:
+        # The attempt's own shipments only (keys begin with its zero-padded number: layout.batch_key).
+        found = [(p[1], o.key) for o in store.list(f"{PREFIX}{a:08d}-")
+                 if (p := parse_batch_key(o.key)) is not None and p[0] == a]
+        return max(found)[1] if found else None
 
     def claim(a: int) -> float | None:
         try:
@@ -110,10 +110,11 @@ def read_history(store: ObjectStore, current: int, *, window: int = WINDOW) -> A
         return float(value) if isinstance(value, (int, float)) else None
 
     def shipment(a: int) -> list[dict]:
-        if a not in last:
+        key = newest_shipment(a)
+        if key is None:
             return []
         out = []
-        for line in bytes(store.get(last[a][1])).decode("utf-8", "replace").splitlines():
+        for line in bytes(store.get(key)).decode("utf-8", "replace").splitlines():
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
