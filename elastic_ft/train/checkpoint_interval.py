@@ -17,7 +17,7 @@ and the time it has trained without a loss.
 proposes an interval at each step boundary, and the interval travels to every rank in the boundary's
 existing agreement (:meth:`elastic_ft.train.preemption.Preemption.agree`), so every rank checkpoints at
 the same steps without a collective of its own. The interval changes only when the figures move it by
-:data:`MATERIAL` or more, each change one ``checkpoint_interval`` event (old, new, reason).
+:data:`MATERIAL` (and a whole step) or more, each change one ``checkpoint_interval`` event (old, new, reason).
 
 Cost per step: a few float operations on the leader (constant: nothing grows with the run, the model or
 the nodes); at a (re)start, the leader's history read (bounded, see its module).
@@ -42,7 +42,7 @@ MATERIAL = 0.2
 figures are noisy (a save's blocking time varies by milliseconds), and each change is an event."""
 
 _STEP_SMOOTHING = 0.1  # per step: a few dozen steps' average, past a slow first step (warm-up, compilation)
-_COMMIT_SMOOTHING = 0.3  # per save: saves are few; the newest counts most
+_COMMIT_SMOOTHING = 0.2  # per save: a few saves' average (a save's blocking time varies by half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +89,15 @@ def choose_interval(*, commit_s: float, step_s: float, losses: int, exposure_s: 
 def material(old: Interval | None, new: Interval) -> bool:
     """Whether ``new`` replaces ``old`` (see :data:`MATERIAL`); always when there is none yet.
 
-    Compared before rounding (a short interval would flip between 3 and 4 steps on noise) and within the
-    bounds (a clamped interval stays while the figures keep it clamped)."""
+    Compared before rounding and by a whole step at least (a short interval would flip between 3 and 4
+    steps on a few milliseconds' noise in C), within the bounds (a clamped interval stays while the
+    figures keep it clamped)."""
     if old is None:
         return True
     if old.steps == new.steps:
         return False
     lo, hi = sorted((max(1.0, old.ideal), max(1.0, new.ideal)))
-    return hi - lo >= MATERIAL * lo
+    return hi - lo >= max(1.0, MATERIAL * lo)
 
 
 def duration(seconds: float) -> str:
