@@ -44,7 +44,7 @@ def show_value(value: Any) -> str:
 def out_of_range(obj: Any, limits: dict[str, Bound]) -> list[tuple[str, str]]:
     """(field, message) for every dotted field of ``obj`` outside its bound.
 
-    None values and fields under a None section (``lora: null``) are skipped;
+    None values, strings (a named choice: ``auto``) and fields under a None section (``lora: null``) are skipped;
     a list field is checked item by item (``optimizer.betas[1]``).
     """
     out = []
@@ -54,7 +54,8 @@ def out_of_range(obj: Any, limits: dict[str, Bound]) -> list[tuple[str, str]]:
             value = getattr(value, part) if value is not None else None
         values = enumerate(value) if isinstance(value, list) else [(None, value)]
         for i, v in values:
-            if v is not None and not bound.contains(v):
+            # A string here is a numeric field's named choice (checkpoint.every_steps: auto), which its type checked.
+            if v is not None and not isinstance(v, str) and not bound.contains(v):
                 where = field if i is None else f"{field}[{i}]"
                 out.append((where, f"must be in {bound}, got {show_value(v)}"))
     return out

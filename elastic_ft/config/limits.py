@@ -40,6 +40,7 @@ LIMITS: dict[str, Bound] = {
     "seed": Bound(0, 2**32 - 1),  # numpy's SeedSequence refuses negatives; torch seeds need headroom
     "checkpoint.every_steps": Bound(1, MAX_STEPS),
     "checkpoint.every_seconds": Bound(0.0, 1e8, lo_open=True),
+    "checkpoint.auto_mtbf_s": Bound(60.0, 1e8),
     "checkpoint.keep_last": Bound(*RETENTION_RANGES["keep_last"]),
     "checkpoint.keep_every": Bound(*RETENTION_RANGES["keep_every"]),
     "checkpoint.orphan_grace_s": Bound(*RETENTION_RANGES["orphan_grace_s"]),

@@ -120,7 +120,9 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
          f"applies to parallelism.strategy fsdp only (it is {par.strategy}); remove it or set the strategy to fsdp")
     p.extend(_eval_problems(spec))
     p.extend(_lora_problems(spec, check_files))
-    p.extend(out_of_range(spec, LIMITS))
+    # checkpoint.every_steps also takes 'auto': its range error says so (one line naming every choice).
+    p.extend((f, m.replace(", got", " or 'auto', got", 1) if f == "checkpoint.every_steps" else m)
+             for f, m in out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the
     # environment's values, when the store opens; here before any work, naming the field.
@@ -147,6 +149,10 @@ def _eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if c.keep_best:
         if ev.every_steps is None:
             p.append(("checkpoint.keep_best", "needs evaluation: set eval.every_steps and held-out data"))
+        elif c.every_steps == "auto":
+            p.append(("checkpoint.keep_best", "needs checkpoints at evaluated steps, which checkpoint.every_steps: "
+                                              "auto does not keep to; set every_steps to a multiple of "
+                                              f"eval.every_steps ({ev.every_steps})"))
         elif c.every_steps is None or c.every_steps % ev.every_steps:
             p.append(("checkpoint.keep_best", f"needs checkpoints at evaluated steps: checkpoint.every_steps "
                                               f"({c.every_steps}) must be a multiple of eval.every_steps "

@@ -6,7 +6,7 @@ from elastic_ft.config import CheckpointConfig
 
 
 def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since: float | None,
-                   cfg: CheckpointConfig) -> tuple[bool, str]:
+                   cfg: CheckpointConfig, auto_steps: int | None = None) -> tuple[bool, str]:
     """(due, reason) after optimizer step ``step`` has completed.
 
     Nothing is saved twice for one step, and the final step is saved when
@@ -16,13 +16,16 @@ def checkpoint_due(*, step: int, total_steps: int, last_step: int, seconds_since
     :meth:`elastic_ft.train.preemption.Preemption.agree`), or None where they
     did not agree on one: then ``every_seconds`` waits for the next agreement
     (about half a second of steps later at most), so every rank decides alike.
+    ``auto_steps``: with ``every_steps: auto``, the interval the ranks agreed on
+    (:class:`~elastic_ft.train.checkpoint_interval.AutoInterval`; None before the first agreement).
     """
     if step <= last_step:
         return False, "already saved at this step"
     if step == total_steps and cfg.save_final:
         return True, "final step"
-    if cfg.every_steps is not None and step % cfg.every_steps == 0:
-        return True, f"every {cfg.every_steps} steps"
+    every = auto_steps if cfg.every_steps == "auto" else cfg.every_steps
+    if every is not None and step % every == 0:
+        return True, f"every {every} steps{' (auto)' if cfg.every_steps == 'auto' else ''}"
     if cfg.every_seconds is not None and seconds_since is not None and seconds_since >= cfg.every_seconds:
         return True, f"{seconds_since:.0f}s since the last checkpoint (every {cfg.every_seconds:g}s)"
     return False, "not due"

@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from elastic_ft.train import faults
 from elastic_ft.runevents import goodput
 from elastic_ft.runevents.node_identity import batch_node
 from elastic_ft.checkpoint.saver import AsyncSaver
@@ -34,7 +33,7 @@ from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.config import JobSpec
 from elastic_ft.runevents.events import joined_line
 from elastic_ft.spot.imds import endpoint_from_env
-from elastic_ft.train import peer_loss, precision, rng, sharding
+from elastic_ft.train import faults, peer_loss, precision, rng, sharding
 from elastic_ft.train import data as data_mod
 from elastic_ft.train import loss as loss_mod
 from elastic_ft.train import model as model_mod
@@ -43,6 +42,7 @@ from elastic_ft.train.build import (
     build_model_and_data, build_preemption, build_store, commit_checks,
 )
 from elastic_ft.train.cadence import checkpoint_due
+from elastic_ft.train.checkpoint_interval import AutoInterval
 from elastic_ft.train.cursor import deal, take
 from elastic_ft.train.micro_batches import micro_batches, step_tokens
 from elastic_ft.train.guard import NonFiniteGuard
@@ -119,6 +119,7 @@ class Trainer:
             self.last_step_s: float | None = None  # what the spot policy weighs, with the checkpoints' record
             self.preemption = build_preemption(spec, world, self.events, imds_endpoint, opened)
             self.evaluator = build_evaluator(spec, world, self.events, self.eval_data)
+            self.auto = AutoInterval(spec.checkpoint, leader=world.is_leader, events=self.events)  # every_steps: auto
             self._resources = opened.pop_all()
 
     # What the spot response reads (elastic_ft.train.preemption.Trainer) and the run's cadence: the
@@ -131,10 +132,6 @@ class Trainer:
     @property
     def last_ckpt_step(self) -> int:
         return self.checkpoints.last_step
-
-    @property
-    def last_ckpt_time(self) -> float:
-        return self.checkpoints.last_time
 
     @property
     def last_committed_step(self) -> int:
@@ -287,15 +284,18 @@ class Trainer:
         if self.plan.idle_ranks and w.is_leader:  # a join never ends the run: the ranks beyond the batch wait
             log.warning("batch: %s", idle_note(self.plan.idle_ranks, w.size, self.plan.global_batch))
         self.resume()
+        self.auto.start(self.store, self.events.common["attempt"], time.time())  # the leader reads the run's losses
         peer_loss.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
         self.metrics.start()
         first = True
         try:
             while self.step < self.total_steps:
-                # Raises Preempted after committing, on a notice. The leader's checkpoint clock is agreed in
-                # the same all-reduce (clocks differ): every_seconds then fires at the same step on every rank.
-                age = self.preemption.at_boundary(self, checkpoint_age_s=(
-                    None if self.spec.checkpoint.every_seconds is None else time.monotonic() - self.last_ckpt_time))
+                # Raises Preempted after committing, on a notice. The leader's checkpoint clock and interval
+                # (every_steps: auto) are agreed in the same all-reduce: the same step saves on every rank.
+                age = self.preemption.at_boundary(self, interval=self.auto.propose(
+                    time.time(), self.last_step_s, self.checkpoints.last_blocked_s), checkpoint_age_s=None if
+                    self.spec.checkpoint.every_seconds is None else time.monotonic() - self.checkpoints.last_time)
+                self.auto.adopt(self.preemption.agreed_interval, step=self.step)
                 # The evaluation of a resumed step that a notice stopped before: done first. Abandoned on a
                 # notice: back to the boundary (it agrees at once) to leave, not on to the next step.
                 if not self._evaluate():
@@ -307,8 +307,8 @@ class Trainer:
                              self.step, self.total_steps, w.size)
                 first = False
                 self._evaluate()  # before the step's checkpoint, whose manifest records it
-                due, why = checkpoint_due(step=self.step, total_steps=self.total_steps,
-                                          last_step=self.last_ckpt_step, seconds_since=age, cfg=self.spec.checkpoint)
+                due, why = checkpoint_due(step=self.step, total_steps=self.total_steps, last_step=self.last_ckpt_step,
+                                          seconds_since=age, cfg=self.spec.checkpoint, auto_steps=self.auto.steps)
                 if due:
                     self.save(why)
             while self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):

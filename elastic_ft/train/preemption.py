@@ -189,11 +189,12 @@ class Preemption:
         self.board = NoticeBoard()
         self.settings = PolicySettings(on_rebalance=cfg.on_rebalance, train_until_deadline=cfg.train_until_deadline,
                                        margin_s=cfg.margin_s)
-        # [notice level, slowest step in us, leader's checkpoint age in ms], allocated once on the process
-        # group's device; int64: the age may reach checkpoint.every_seconds' bound (1e8 s).
-        self._flag = torch.zeros(3, dtype=torch.int64, device=world.device)
+        # [notice level, slowest step in us, leader's checkpoint age in ms, leader's checkpoint interval],
+        # allocated once on the process group's device; int64: the age may reach every_seconds' bound (1e8 s).
+        self._flag = torch.zeros(4, dtype=torch.int64, device=world.device)
         self._skip = 0  # boundaries left before the next agreement (the same on every rank)
         self.checkpoint_age_s: float | None = None  # the leader's, as the last boundary agreed (see agree)
+        self.agreed_interval: int | None = None  # the leader's checkpoint.every_steps: auto, likewise
         self.agreed_level = LEVEL_NONE
         """The notice level the ranks last agreed on (:meth:`agree`), the same on every rank; while it is
         :data:`LEVEL_LEAVE` every boundary agrees again."""
@@ -212,7 +213,8 @@ class Preemption:
                 self.sigterm = install_sigterm(self.board, grace_s=cfg.sigterm_grace_s,
                                                boundary_s=cfg.sigterm_boundary_s, peer_lost=lost)
 
-    def agree(self, step_s: float | None = None, checkpoint_age_s: float | None = None) -> int:
+    def agree(self, step_s: float | None = None, checkpoint_age_s: float | None = None,
+              interval: int | None = None) -> int:
         """The most urgent notice level of any rank (one all-reduce at the boundaries where ranks agree).
 
         With several ranks the all-reduce happens even where spot is disabled
@@ -228,24 +230,28 @@ class Preemption:
         the call on every rank alike (None at a boundary that did not agree):
         ``checkpoint.every_seconds`` then picks the same step on every rank
         without an object broadcast of its own per step (clocks differ).
+        ``interval``: the leader's checkpoint interval (``checkpoint.every_steps: auto``), which travels the
+        same way into :attr:`agreed_interval` (None where this boundary did not agree or it proposed none).
         """
         if not self.world.distributed:
-            self.checkpoint_age_s = checkpoint_age_s
+            self.checkpoint_age_s, self.agreed_interval = checkpoint_age_s, interval
             self.agreed_level = self.board.level
             return self.agreed_level
         if self._skip > 0:
             self._skip -= 1
-            self.checkpoint_age_s = None
+            self.checkpoint_age_s = self.agreed_interval = None
             return LEVEL_NONE
         # The slowest rank's step time travels with the level (both MAX), so every rank
         # derives the same cadence from the same agreed value; only the leader's clock counts (-1 elsewhere).
         step_us = min(_MAX_STEP_US, round((step_s or 0.0) * 1e6))
         age_ms = -1 if checkpoint_age_s is None or not self.world.is_leader else round(checkpoint_age_s * 1e3)
-        self._flag.copy_(torch.tensor([self.board.level, step_us, age_ms], dtype=torch.int64))
+        proposed = -1 if interval is None or not self.world.is_leader else interval
+        self._flag.copy_(torch.tensor([self.board.level, step_us, age_ms, proposed], dtype=torch.int64))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        level, slowest_us, agreed_ms = self._flag.tolist()  # one read: on NCCL one device sync per agreement
+        level, slowest_us, agreed_ms, agreed_steps = self._flag.tolist()  # one read: one device sync on NCCL
         self._skip = 0 if level != LEVEL_NONE else agree_every(slowest_us / 1e6) - 1
         self.checkpoint_age_s = None if agreed_ms < 0 else agreed_ms / 1e3
+        self.agreed_interval = None if agreed_steps < 0 else agreed_steps
         self.agreed_level = level
         return level
 
@@ -265,13 +271,14 @@ class Preemption:
         abandoned on a notice), so the leave follows at once instead of after the skipped boundaries."""
         self._skip = 0
 
-    def at_boundary(self, trainer: Trainer, *, checkpoint_age_s: float | None = None) -> float | None:
+    def at_boundary(self, trainer: Trainer, *, checkpoint_age_s: float | None = None,
+                    interval: int | None = None) -> float | None:
         """Called by every rank between steps; raises :class:`Preempted` after committing, when leaving.
 
         Returns the leader's ``checkpoint_age_s`` as agreed (see :meth:`agree`), the same on every rank;
         None where this boundary did not agree, or after an early checkpoint made here.
         """
-        level = self.agree(trainer.last_step_s, checkpoint_age_s)
+        level = self.agree(trainer.last_step_s, checkpoint_age_s, interval)
         if self.sigterm is not None:
             self.sigterm.boundary(trainer.last_step_s)  # a boundary passed: no give-up while steps go on
         if level == LEVEL_NONE:

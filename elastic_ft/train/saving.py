@@ -84,6 +84,10 @@ class Checkpoints:
         """The newest step a save was submitted for (in flight or committed)."""
         self.last_time = time.monotonic()
         """When that save was submitted (monotonic)."""
+        self.last_blocked_s: float | None = None
+        """How long the last save this rank made at the run's cadence blocked training (an async save's host
+        copy and its wait for the upload before it; a synchronous one's whole time): the commit cost that
+        ``checkpoint.every_steps: auto`` weighs (the leader's)."""
         self.committed = Committed()
         """Replaced whole by the saver's thread at each commit (one assignment: read without a lock)."""
         self.saver = AsyncSaver(
@@ -141,6 +145,7 @@ class Checkpoints:
                 self.saver.flush()
             else:
                 self.saver.wait()
+                self.last_blocked_s = time.monotonic() - t0
         else:
             # Waiting for a save still in flight (if_busy=wait) is part of the blocked
             # time. The lock keeps a fast commit's _on_commit (which pops this entry)
@@ -149,7 +154,8 @@ class Checkpoints:
             self.saver.wait()
             with self._lock:
                 self.saver.submit(snap, nonce)
-                self._started[step] = (t0, time.monotonic() - t0, reason)
+                self.last_blocked_s = time.monotonic() - t0
+                self._started[step] = (t0, self.last_blocked_s, reason)
         self.last_step, self.last_time = step, time.monotonic()
 
     def _host_state(self) -> tuple[dict, dict, dict | None]:
