@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import os
 from typing import Iterable
 
 from elastic_ft.checkpoint.segments import Data, as_segments
@@ -67,6 +68,37 @@ def blob_sha256(data: Data, chunk_size: int, *, threads: int = 1) -> str:
         return _compose(map(chunk, offsets))
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-hash") as pool:
         return _compose(pool.map(chunk, offsets))
+
+
+def file_blob_sha256(fd: int, offset: int, size: int, chunk_size: int, *, threads: int = 1) -> str:
+    """The digest (as :func:`blob_sha256`) of the ``size`` bytes of the open file ``fd`` from ``offset``.
+
+    Read with ``pread`` a chunk at a time and each chunk hashed by the thread
+    that read it (``threads`` at a time for a chunked digest; a plain one is
+    one thread's, in order): memory is one chunk per thread, whatever the
+    size. :class:`ValueError` if the file ends before ``offset + size``.
+    """
+    digest = BlobDigest(size, chunk_size)
+    piece = chunk_size if digest.any_order else CHUNK_SIZE
+
+    def read(start: int) -> bytes:
+        data = os.pread(fd, min(piece, size - start), offset + start)
+        if len(data) != min(piece, size - start):
+            raise ValueError(f"the file ends at {offset + start + len(data)}, before byte {offset + size}")
+        return data
+
+    if not digest.any_order:
+        for start in range(0, size, piece):
+            digest.update(start, read(start))
+        return digest.hexdigest()
+
+    def chunk(start: int) -> None:
+        digest.update(start, read(start))  # each chunk's own entry: safe from any thread
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="file-hash") as pool:
+        for _ in pool.map(chunk, range(0, size, piece)):
+            pass  # futures only (no data) are queued: the results are None
+    return digest.hexdigest()
 
 
 class BlobDigest:

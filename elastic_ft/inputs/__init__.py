@@ -7,8 +7,8 @@ image carries neither data nor weights.
 
 Modules: ``settings`` (the spec's ``inputs`` section), ``uri`` (the URIs and
 the keys they may name: pure), ``plan`` (whether a cached copy may be reused:
-pure), ``remote`` (HEAD, LIST and streamed GET through the checkpoint store's
-client and retry policy), ``cache`` (the node-local cache: lock, records,
+pure), ``remote`` (HEAD, LIST, and GETs into a file: the checkpoint
+store's parallel ranged reads, client and retry policy), ``cache`` (the node-local cache: lock, records,
 atomic renames) and ``resolve`` (a spec's data and model sections with their
 remote URIs replaced by cached paths).
 

@@ -8,7 +8,9 @@ separate entries that never share a file):
   name, so its format is still inferred from the extension), or every object
   under the prefix at its relative path (a model directory);
 - ``NAME.json``: per file, the ETag and size of the object it was downloaded
-  from and its sha256 (written after each file lands);
+  from, its digest (chunked sha256, taken as its bytes landed) and its stat
+  stamp (size, mtime, ctime, inode, device) once that digest held (written
+  after each file lands);
 - ``NAME.lock``: held (``fcntl.flock``, exclusive) while the entry is checked
   and filled, and holding the holder's host, pid and since when. The local
   ranks of a node start together and all resolve the same inputs: the first
@@ -23,6 +25,13 @@ A file is downloaded to ``<path>.eft-part-<pid>``, fsynced, then renamed over
 ``<path>``, so no reader ever opens a half-written file. Files under the entry
 that the prefix no longer holds are removed, so the directory is exactly the
 prefix. Whether a copy is reused is :mod:`.plan`'s decision.
+
+Cost: a first fetch, the download (parallel ranged GETs for large files:
+:mod:`.remote`); a start that finds every file current, one HEAD or LIST and a
+stat per file, since a file whose stamp is the one recorded with its digest
+is trusted without reading it (``inputs.verify: sha256``); a file whose stamp
+moved (touched, copied, written in place) is hashed again, ``pread`` a chunk at
+a time on a few threads, and fetched again if its digest differs.
 """
 
 from __future__ import annotations
@@ -39,12 +48,15 @@ import socket
 import time
 from collections.abc import Iterator
 
+from elastic_ft.checkpoint.digest import file_blob_sha256
 from elastic_ft.checkpoint.s3.errors import ObjectChanged
 from elastic_ft.checkpoint.errors import StoreUnavailable
+from elastic_ft.checkpoint.stamp import file_stamp
 from elastic_ft.inputs.plan import (
-    Record, RemoteObject, bounds_problem, records_from_json, records_to_json, reuse_problem, stale_files,
+    Record, RemoteObject, bounds_problem, digest_needed, records_from_json, records_to_json, reuse_problem,
+    stale_files,
 )
-from elastic_ft.inputs.remote import RemoteInputs
+from elastic_ft.inputs.remote import DIGEST_CHUNK, RemoteInputs
 from elastic_ft.inputs.settings import InputsConfig
 from elastic_ft.inputs.uri import InputRefused, S3Location, parse_object_uri, parse_prefix_uri
 
@@ -71,12 +83,8 @@ class Fetched:
     fetched: list[str]
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads that hash a cached file whose stamp moved (chunked digest: the chunks are independent)."""
 
 
 class InputCache:
@@ -135,7 +143,14 @@ class InputCache:
         for rel in stale_files(_local_files(entry), (o.rel for o in objects)):
             os.remove(os.path.join(entry, rel))  # strays: temp files of a killed fetch, files gone from S3
             records.pop(rel, None)
-        todo = [(o, reason) for o in objects if (reason := self._reuse_problem(entry, o, records.get(o.rel)))]
+        todo = []
+        for obj in objects:
+            reason, checked = self._check(entry, obj, records.get(obj.rel))
+            if reason:
+                todo.append((obj, reason))
+            elif checked is not None:  # hashed again and intact: stamped as it is now
+                records[obj.rel] = checked
+                _write_records(entry + ".json", loc.uri, records)
         _check_space(entry, loc.uri, sum(o.size for o, _ in todo))
         for obj, reason in todo:
             log.info("fetching s3://%s/%s (%d bytes): %s", loc.bucket, obj.key, obj.size, reason)
@@ -145,14 +160,23 @@ class InputCache:
             log.info("%s: using the verified copy cached in %s", loc.uri, entry)
         return [o.rel for o, _ in todo]
 
-    def _reuse_problem(self, entry: str, obj: RemoteObject, record: Record | None) -> str | None:
+    def _check(self, entry: str, obj: RemoteObject, record: Record | None) -> tuple[str | None, Record | None]:
+        """Why the cached copy of ``obj`` cannot be reused (None: it can), and its record re-stamped when
+        it had to be hashed again to be trusted (None: the record stands)."""
         path = _inside(entry, obj.rel)
         local_size = os.path.getsize(path) if os.path.isfile(path) else None
         problem = reuse_problem(obj, record, local_size)
-        if problem is None and record is not None and self.settings.verify == "sha256":
-            if file_sha256(path) != record.sha256:
-                problem = "the cached file's sha256 differs from the one recorded at download"
-        return problem
+        if problem is not None or record is None or self.settings.verify != "sha256":
+            return problem, None
+        before = _stamp_or_none(path)
+        if not digest_needed(record, before):
+            return None, None  # untouched since its digest was known to hold
+        actual = _file_digest(path, record)
+        if actual != record.sha256:
+            return "the cached file's digest differs from the one recorded at download", None
+        if _stamp_or_none(path) != before:  # written while hashed: trust it now, stamp it next time
+            return None, None
+        return None, dataclasses.replace(record, stamp=tuple(before))
 
     def _download(self, bucket: str, entry: str, obj: RemoteObject) -> Record:
         path = _inside(entry, obj.rel)
@@ -161,13 +185,15 @@ class InputCache:
             shutil.rmtree(path)  # a prefix that was a directory here is now a file
         tmp = f"{path}.eft-part-{os.getpid()}"
         try:
-            sha256 = self.remote.download(bucket, obj, tmp)
+            digest = self.remote.download(bucket, obj, tmp)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         _fsync_dir(os.path.dirname(path))
-        return Record(etag=obj.etag, size=obj.size, sha256=sha256)
+        # Stamped after the rename (which may move ctime): the bytes hashed as they landed are these.
+        return Record(etag=obj.etag, size=obj.size, sha256=digest, chunk_size=DIGEST_CHUNK,
+                      stamp=tuple(file_stamp(path)))
 
 
 @contextlib.contextmanager
@@ -216,6 +242,27 @@ def _holder(fd: int) -> str:
         return f"host {doc['host']} pid {int(doc['pid'])} (since {since})"
     except (OSError, ValueError, TypeError, KeyError):
         return "a process that has not written its name into it"
+
+
+def _stamp_or_none(path: str) -> list[int] | None:
+    try:
+        return file_stamp(path)
+    except OSError:
+        return None
+
+
+def _file_digest(path: str, record: Record) -> str | None:
+    """The digest of the file at ``path`` as ``record``'s was taken (None: it could not be read whole)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return file_blob_sha256(fd, 0, record.size, record.chunk_size, threads=HASH_THREADS)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _inside(entry: str, rel: str) -> str:
@@ -269,4 +316,4 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["CacheLockTimeout", "Fetched", "InputCache", "entry_lock", "file_sha256"]
+__all__ = ["CacheLockTimeout", "Fetched", "InputCache", "entry_lock"]

@@ -1,4 +1,4 @@
-"""The S3 side of fetching inputs: HEAD, LIST (every page, bounded) and a GET streamed to a file.
+"""The S3 side of fetching inputs: HEAD, LIST (every page, bounded) and GETs written to a file.
 
 The client is the checkpoint store's (:func:`~elastic_ft.checkpoint.s3.client.make_client`
 from the spec's ``checkpoint.s3`` settings and boto3's chain), and every
@@ -7,30 +7,43 @@ logged, a final :class:`StoreUnavailable` stating the count); a final failure
 is the store's domain error (:func:`~elastic_ft.checkpoint.s3.errors.client_error`):
 :class:`ObjectNotFound` for a 404, :class:`StoreUnavailable` otherwise.
 
-A GET is pinned to the ETag the plan saw (``If-Match``, and the answer's ETag
-compared too, for servers that ignore the header): an object overwritten in
-between raises ``ObjectChanged`` rather than caching a mix of two versions.
-A body shorter than the object is retried as a whole.
+A download is the checkpoint store's read path into a file
+(:func:`~elastic_ft.checkpoint.s3.download.download_to_file`): one GET for an
+object of one ``checkpoint.s3.download_part_size`` or less, else parallel
+ranged GETs (at most ``checkpoint.s3.max_concurrency`` at once), each range
+written at its offset as it lands and retried alone when it fails or comes
+back short. Memory: one range per worker, whatever the object's size; a 16 GB
+model costs its download time, not 16 GB of memory. Every GET is pinned to the
+ETag the plan saw (``If-Match``, and every answer's ETag compared too, for
+servers that ignore the header): an object overwritten in between raises
+``ObjectChanged`` rather than caching a mix of two versions. The file is
+hashed while it lands (the chunked sha256 of
+:mod:`elastic_ft.checkpoint.digest`, each 1 MiB chunk by the worker that read
+it), so the cache records its digest without reading it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from elastic_ft.checkpoint.errors import StoreError
+from elastic_ft.checkpoint.digest import CHUNK_SIZE, BlobDigest
+from elastic_ft.checkpoint.errors import BlobMismatch, StoreError
 from elastic_ft.checkpoint.s3.client import make_client
-from elastic_ft.checkpoint.s3.errors import ObjectChanged, TruncatedBody, client_error, status
+from elastic_ft.checkpoint.s3.download import download_to_file
+from elastic_ft.checkpoint.s3.errors import ObjectChanged, client_error, status
 from elastic_ft.checkpoint.s3.options import S3Options
 from elastic_ft.checkpoint.s3.retry import with_retries
+from elastic_ft.checkpoint.s3.target import S3Target
 from elastic_ft.inputs.plan import RemoteObject
 from elastic_ft.inputs.uri import InputRefused, S3Location, key_problem
 
 T = TypeVar("T")
-_CHUNK = 1 << 20
+
+DIGEST_CHUNK = CHUNK_SIZE
+"""Chunk of the digest recorded for each downloaded file (the checkpoint blobs' own: 1 MiB)."""
 
 
 def _etag(value: Any) -> str:
@@ -47,6 +60,7 @@ class RemoteInputs:
         self.page_size = page_size  # keys per LIST page (S3 answers at most 1000)
         self._owns_client = client is None
         self.client = make_client(resolved) if client is None else client
+        self._targets: dict[str, S3Target] = {}  # per bucket: its worker pool of ranged GETs
 
     def _call(self, what: str, uri: str, bucket: str, fn: Callable[[], T]) -> T:
         o = self.options
@@ -90,35 +104,62 @@ class RemoteInputs:
                 return out
             args["ContinuationToken"] = page.get("NextContinuationToken")
 
-    def download(self, bucket: str, obj: RemoteObject, dest: str) -> str:
-        """Write ``obj`` to ``dest`` (truncated first, fsynced), pinned to its ETag; its sha256."""
-        uri = f"s3://{bucket}/{obj.key}"
-        return self._call("get", uri, bucket, lambda: self._download_once(bucket, obj, dest))
+    def _target(self, bucket: str) -> S3Target:
+        if bucket not in self._targets:
+            self._targets[bucket] = S3Target(client=self.client, bucket=bucket, prefix="", uri=f"s3://{bucket}",
+                                             options=self.options)
+        return self._targets[bucket]
 
-    def _download_once(self, bucket: str, obj: RemoteObject, dest: str) -> str:
+    def download(self, bucket: str, obj: RemoteObject, dest: str) -> str:
+        """Write ``obj`` to ``dest`` (created or truncated, fsynced), pinned to its ETag; its digest
+        (:func:`~elastic_ft.checkpoint.digest.blob_sha256` with chunks of :data:`DIGEST_CHUNK`).
+
+        Raises ``ObjectChanged`` when the object is no longer the one planned
+        (another ETag, or another size), else the store's domain errors.
+        """
+        uri = f"s3://{bucket}/{obj.key}"
+        digest = BlobDigest(obj.size, DIGEST_CHUNK)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            try:
+                if obj.size == 0:
+                    etags = {self._call("get", uri, bucket, lambda: self._get_empty(bucket, obj))}
+                else:
+                    etags = download_to_file(self._target(bucket), obj.key, obj.key, fd, size=obj.size,
+                                             etag=f'"{obj.etag}"', digest=digest)
+            except BlobMismatch as exc:  # the first answer's size is not the plan's: another version
+                raise ObjectChanged(obj.key) from exc
+            except (StoreError, ObjectChanged):
+                raise
+            except Exception as exc:
+                raise client_error("get", uri, bucket, exc) from exc
+            if {_etag(e) for e in etags} != {obj.etag}:
+                raise ObjectChanged(obj.key)  # a server that ignored If-Match answered another version
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return digest.hexdigest()
+
+    def _get_empty(self, bucket: str, obj: RemoteObject) -> str | None:
+        """GET a zero-byte object (no byte range to ask for), pinned to its ETag; the answer's ETag."""
         try:
             resp = self.client.get_object(Bucket=bucket, Key=obj.key, IfMatch=f'"{obj.etag}"')
         except Exception as exc:
             if status(exc) == 412:
                 raise ObjectChanged(obj.key) from exc
             raise
-        if _etag(resp.get("ETag")) != obj.etag:
-            raise ObjectChanged(obj.key)
-        digest, written = hashlib.sha256(), 0
-        with open(dest, "wb") as f:
-            for chunk in resp["Body"].iter_chunks(_CHUNK):
-                written += len(chunk)
-                if written > obj.size:
-                    raise ObjectChanged(obj.key)  # more bytes than the object had: another version
-                f.write(chunk)
-                digest.update(chunk)
-            if written != obj.size:
-                raise TruncatedBody(f"{written} of {obj.size} bytes")
-            f.flush()
-            os.fsync(f.fileno())
-        return digest.hexdigest()
+        body = resp["Body"]
+        try:
+            if body.read(1):
+                raise ObjectChanged(obj.key)  # bytes where the plan saw none: another version
+        finally:
+            body.close()
+        return resp.get("ETag")
 
     def close(self) -> None:
+        for target in self._targets.values():
+            target.close_pool()
+        self._targets.clear()
         if self._owns_client and hasattr(self.client, "close"):
             self.client.close()
 

@@ -1,8 +1,10 @@
 """The job spec's ``inputs`` section: where a node caches fetched inputs, and how large they may be.
 
 The section only bounds and places the cache; how S3 is reached (endpoint,
-region, retries, timeouts) is the ``checkpoint.s3`` section's, shared by the
-inputs, and credentials come from boto3's chain as for checkpoints.
+region, retries, timeouts, and the ranged GETs of a large object:
+``download_part_size`` and ``max_concurrency``) is the ``checkpoint.s3``
+section's, shared by the inputs, and credentials come from boto3's chain as
+for checkpoints.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class InputsConfig:
     Longer than the largest input takes to download. A holder that died on a shared filesystem holds it
     until then: the error names the holder's host and pid."""
     verify: Literal["sha256", "size"] = "sha256"
-    """How a cached copy is checked before reuse, besides its remote ETag and size: its sha256 against the
-    one recorded at download (reads the file once), or its size only."""
+    """How a cached copy is checked before reuse, besides its remote ETag and size: its digest against the
+    one taken while it downloaded, read from the file again only when the file's stat stamp (size, mtime,
+    ctime, inode, device) is not the one recorded with that digest (so a restart costs a few stats), or its
+    size only."""
 
 
 def cache_root(settings: InputsConfig, environ: Mapping[str, str] | None = None) -> str:

@@ -21,7 +21,6 @@ stats.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import itertools
 import json
@@ -33,9 +32,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from elastic_ft.checkpoint.digest import CHUNK_SIZE, BlobDigest
+from elastic_ft.checkpoint.digest import CHUNK_SIZE, file_blob_sha256
 from elastic_ft.checkpoint.errors import BlobMismatch, ObjectNotFound
 from elastic_ft.checkpoint.manifest import BlobRef
+from elastic_ft.checkpoint.stamp import file_stamp
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.checkpoint.writer import CheckpointWriter
 from elastic_ft.config import DataConfig
@@ -169,17 +169,12 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
     try:
         offset = 0
         for ref in refs:
-            digest = BlobDigest(ref.size, ref.chunk_size or CHUNK_SIZE)
-            step = CHUNK_SIZE if digest.any_order else ref.size
-            starts = range(0, ref.size, step) if ref.size else [0]
-
-            def piece(start: int, base=offset, ref=ref, step=step) -> tuple[int, bytes]:
-                return start, os.pread(fd, min(step, ref.size - start), base + start)
-
-            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-                for start, data in pool.map(piece, starts):
-                    digest.update(start, data)
-            if digest.hexdigest() != ref.sha256:
+            try:
+                actual = file_blob_sha256(fd, offset, ref.size, ref.chunk_size or CHUNK_SIZE,
+                                          threads=max(1, min(4, os.cpu_count() or 1)))
+            except ValueError as exc:
+                return f"{path}: {exc}"
+            if actual != ref.sha256:
                 return f"{path}: bytes {offset}..{offset + ref.size} differ from blob {ref.key}"
             offset += ref.size
     finally:
@@ -191,14 +186,8 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
 
 
 def _stamp(directory: str) -> dict[str, list[int]]:
-    """Per store file: size, mtime, ctime, inode and device. ctime is the kernel's: no process can set it
-    (``utime`` sets mtime and moves ctime to now), so a file written in place and its mtime put back still
-    shows a new stamp."""
-    out = {}
-    for name in FILES:
-        st = os.stat(os.path.join(directory, name))
-        out[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    return out
+    """Per store file: its :func:`~elastic_ft.checkpoint.stamp.file_stamp` (size, mtime, ctime, inode, device)."""
+    return {name: file_stamp(os.path.join(directory, name)) for name in FILES}
 
 
 def content_digest(manifest) -> str:

@@ -41,8 +41,8 @@ class Remote:
         path = f"/{self.endpoint.bucket}/{self.prefix}{key}"
         return sum(1 for s in self.proxy.seen if s.method == "GET" and s.path.split("?")[0].startswith(path))
 
-    def source(self, **settings) -> InputSource:
-        return InputSource(InputsConfig(cache_dir=self.cache_dir, **settings), FAST)
+    def source(self, s3: S3Options = FAST, **settings) -> InputSource:
+        return InputSource(InputsConfig(cache_dir=self.cache_dir, **settings), s3)
 
 
 def _remote(name, s3_servers, s3_env, fault_proxy, tmp_path) -> Remote:  # noqa: F811

@@ -80,3 +80,24 @@ def test_plain_digest_takes_pieces_in_order_only():
         digest.hexdigest()
     digest.update(4000, DATA[4000:])
     assert digest.hexdigest() == hashlib.sha256(DATA).hexdigest()
+
+
+@pytest.mark.parametrize(("chunk", "threads"), [(0, 1), (20_000, 1), (1000, 1), (1000, 4), (3333, 3)])
+def test_a_file_range_hashes_as_the_same_bytes_in_memory(tmp_path, chunk, threads):
+    from elastic_ft.checkpoint.digest import file_blob_sha256
+
+    path = tmp_path / "f"
+    path.write_bytes(b"head" + DATA + b"tail")  # the blob at an offset, with bytes after it
+    expected = hash_list(DATA, chunk) if chunk_count(len(DATA), chunk) > 1 else hashlib.sha256(DATA).hexdigest()
+    with open(path, "rb") as f:
+        assert file_blob_sha256(f.fileno(), 4, len(DATA), chunk, threads=threads) == expected
+
+
+@pytest.mark.parametrize("chunk", [0, 1000])
+def test_a_file_shorter_than_the_blob_is_an_error_not_a_digest(tmp_path, chunk):
+    from elastic_ft.checkpoint.digest import file_blob_sha256
+
+    path = tmp_path / "f"
+    path.write_bytes(DATA[:-1])
+    with open(path, "rb") as f, pytest.raises(ValueError, match="ends at"):
+        file_blob_sha256(f.fileno(), 0, len(DATA), chunk, threads=2)

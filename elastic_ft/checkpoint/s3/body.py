@@ -1,9 +1,12 @@
-"""Where a download's bytes land: reading a GET body into a slice of one buffer, and that buffer.
+"""Where a download's bytes land: reading a GET body into a slice of one buffer, that buffer, or a file.
 
-A download of ``n`` bytes costs one copy of them: every ranged GET reads its
-body straight from the socket into its slice of one anonymous mapping of the
-object's size (:class:`Buffer`), hashing each whole digest chunk as soon as
-it is in, while it is in this core's cache.
+A download of ``n`` bytes into memory costs one copy of them: every ranged GET
+reads its body straight from the socket into its slice of one anonymous
+mapping of the object's size (:class:`Buffer`), hashing each whole digest
+chunk as soon as it is in, while it is in this core's cache. A download into
+a file (:class:`FileSink`) reads each range into its worker's own buffer of
+one range and writes it at its offset: memory is one range per worker,
+whatever the object's size.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import mmap
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -89,7 +93,40 @@ def total_size(resp: dict, got: int) -> int:
     return got  # a 200 answer to a ranged GET: the server sent the whole object
 
 
-class Buffer:
+class Landing:
+    """What the parallel ranges of one download write into; ready once the first answer's size is checked.
+
+    The first range's worker asks for its slice (:meth:`slice`) only after the
+    answer's Content-Range total has matched the expected size; the other
+    ranges are sent only then (:meth:`wait_allocated`), so a wrong size costs
+    one request and no allocation. :meth:`landed` is called by the worker
+    once its range is whole.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._allocated = threading.Event()
+
+    def slice(self, start: int, stop: int) -> memoryview:
+        raise NotImplementedError
+
+    def landed(self, start: int, stop: int) -> None:
+        """Bytes ``start..stop`` were read into their slice (by this thread)."""
+
+    def wait_allocated(self, first: concurrent.futures.Future) -> None:
+        """Wait until the first slice was taken, or ``first`` (the request that takes it) failed: raise its error."""
+        first.add_done_callback(lambda _f: self._allocated.set())
+        self._allocated.wait()
+        if not self._ready():
+            first.result()  # raises what stopped it
+            raise AssertionError("the first range completed without taking its slice")
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+
+class Buffer(Landing):
     """A download's buffer, allocated by the first request that needs it.
 
     When ``size`` is a manifest's claim, the first range's worker asks for its
@@ -98,10 +135,8 @@ class Buffer:
     """
 
     def __init__(self, size: int) -> None:
-        self.size = size
+        super().__init__(size)
         self._view: memoryview | None = None
-        self._lock = threading.Lock()
-        self._allocated = threading.Event()
 
     @property
     def view(self) -> memoryview:
@@ -115,13 +150,46 @@ class Buffer:
                 self._allocated.set()
         return self._view[start:stop]
 
-    def wait_allocated(self, first: concurrent.futures.Future) -> None:
-        """Wait until the buffer exists, or ``first`` (the request that allocates it) failed: raise its error."""
-        first.add_done_callback(lambda _f: self._allocated.set())
-        self._allocated.wait()
-        if self._view is None:
-            first.result()  # raises what stopped it
-            raise AssertionError("the first range completed without allocating the buffer")
+    def _ready(self) -> bool:
+        return self._view is not None
+
+
+class FileSink(Landing):
+    """A download into the open file ``fd``: each range read into its worker thread's own buffer of
+    ``range_size`` bytes, then written at its offset (``pwrite``); a retried range reuses the buffer.
+
+    Memory: one ``range_size`` buffer per worker thread that took part,
+    released with the sink. The file is never mapped: a full disk is an
+    ``OSError`` of one write, not a SIGBUS. No in-order :attr:`view`: a digest
+    of a file download must be a chunked one, fed in the workers.
+    """
+
+    def __init__(self, fd: int, size: int, range_size: int) -> None:
+        super().__init__(size)
+        self.fd, self.range_size = fd, range_size
+        self._buffers: dict[int, memoryview] = {}
+
+    def _mine(self) -> memoryview:
+        me = threading.get_ident()
+        with self._lock:
+            buf = self._buffers.get(me)
+            if buf is None:
+                buf = self._buffers[me] = anonymous_buffer(self.range_size)
+            self._allocated.set()
+        return buf
+
+    def slice(self, start: int, stop: int) -> memoryview:
+        assert stop - start <= self.range_size, "a range larger than the sink's buffers"
+        return self._mine()[: stop - start]
+
+    def landed(self, start: int, stop: int) -> None:
+        data = self._mine()[: stop - start]
+        while data:
+            written = os.pwrite(self.fd, data, start)
+            data, start = data[written:], start + written
+
+    def _ready(self) -> bool:
+        return self._allocated.is_set() and bool(self._buffers)
 
 
 def anonymous_buffer(size: int) -> memoryview:
@@ -137,4 +205,4 @@ def anonymous_buffer(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
-__all__ = ["Buffer", "anonymous_buffer", "read_into", "total_size"]
+__all__ = ["Buffer", "FileSink", "Landing", "anonymous_buffer", "read_into", "total_size"]

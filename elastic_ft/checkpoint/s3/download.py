@@ -29,7 +29,7 @@ from typing import Any
 
 from elastic_ft.checkpoint.digest import BlobDigest
 from elastic_ft.checkpoint.errors import BlobMismatch, StoreError, StoreUnavailable
-from elastic_ft.checkpoint.s3.body import Buffer, read_into, total_size
+from elastic_ft.checkpoint.s3.body import Buffer, FileSink, Landing, read_into, total_size
 from elastic_ft.checkpoint.s3.errors import ObjectChanged, TruncatedBody, status
 from elastic_ft.checkpoint.s3.target import S3Target
 
@@ -223,17 +223,18 @@ def _get_ranges(
     t: S3Target,
     key: str,
     s3key: str,
-    buffer: Buffer,
+    buffer: Landing,
     ranges: Iterator[tuple[int, int]],
     first_number: int,
     etag: str | None,
     expect_total: int | None,
     digest: BlobDigest | None,
 ) -> set[str | None]:
-    """GET ``ranges`` in parallel into their slices of ``buffer``, feeding ``digest``
+    """GET ``ranges`` in parallel into their slices of ``buffer`` (a :class:`Buffer`, or a
+    :class:`FileSink` that each worker writes its range to once whole), feeding ``digest``
     (a chunked one as each worker reads, a plain one here in order as the
-    ranges complete, later ones downloading meanwhile). Returns the ETags the
-    answers carried.
+    ranges complete, later ones downloading meanwhile: a :class:`Buffer`'s only).
+    Returns the ETags the answers carried.
 
     The first range goes alone until its answer has confirmed the size and
     the buffer exists; then at most ``2 * max_concurrency`` ranges are in
@@ -253,7 +254,7 @@ def _get_ranges(
         get = RangeGet(key, s3key, a, b, "get" if n == 1 else f"get part {n}", etag,
                        functools.partial(buffer.slice, a, b + 1), expect_total,
                        digest if in_worker else None, n == first_number)
-        pending.append((a, b, pool.submit(get.run, t)))
+        pending.append((a, b, pool.submit(_get_range, t, get, buffer)))
         return True
 
     etags = set()
@@ -278,6 +279,46 @@ def _get_ranges(
     return etags
 
 
+def _get_range(t: S3Target, get: RangeGet, buffer: Landing) -> tuple[bytes | None, dict]:
+    """One range, retried as a whole, then handed to ``buffer`` (by the worker that read it)."""
+    out = get.run(t)
+    buffer.landed(get.start, get.end + 1)
+    return out
+
+
+def download_to_file(t: S3Target, key: str, s3key: str, fd: int, *, size: int, etag: str,
+                     digest: BlobDigest | None) -> set[str | None]:
+    """Write the ``size``-byte object at ``s3key`` into the open file ``fd`` at its offsets, every GET
+    pinned to ``etag`` (``If-Match``); the ETags the answers carried, for the caller to compare with
+    ``etag`` (a server may ignore the header).
+
+    An object of one ``download_part_size`` or less (or of one ``digest``
+    chunk) is one GET; a larger one parallel ranged GETs, as a checkpoint blob
+    is read (:func:`_get_ranges`: the first alone until its size is checked,
+    then at most ``2 * max_concurrency`` in flight), each range read into its
+    worker's own buffer, hashed there chunk by chunk, and written at its offset
+    (:class:`FileSink`): memory is ``max_concurrency`` ranges, whatever the
+    size. Each range is retried alone under the store's policy, a truncated
+    one included. Raises ``ObjectChanged`` on a 412 or on a later answer of
+    another size, :class:`BlobMismatch` when the first answer's size is not
+    ``size``, the store's retry error when attempts run out, and the client's
+    own error for anything not transient (the caller maps it). A zero-byte
+    object has no range to ask for: call for ``size > 0`` only.
+    """
+    assert size > 0, "a zero-byte object has no byte range"
+    part = t.options.download_part_size
+    step = digest.piece_size(part) if digest is not None else part
+    if digest is not None and not digest.any_order:
+        step = size  # a plain digest (one chunk or less) is fed in order: one range
+    sink = FileSink(fd, size, min(step, size))
+    if size <= step:
+        get = RangeGet(key, s3key, 0, size - 1, "get", etag, functools.partial(sink.slice, 0, size), size, digest,
+                       True)
+        return {_get_range(t, get, sink)[1].get("ETag")}
+    ranges = ((off, min(off + step, size) - 1) for off in range(0, size, step))
+    return _get_ranges(t, key, s3key, sink, ranges, 1, etag, size, digest)
+
+
 def _get_whole(t: S3Target, key: str, s3key: str) -> tuple[bytes, dict]:
     def once() -> tuple[bytes, dict]:
         resp = t.client.get_object(Bucket=t.bucket, Key=s3key)
@@ -291,4 +332,4 @@ def _get_whole(t: S3Target, key: str, s3key: str) -> tuple[bytes, dict]:
     return t.retry("get", key, once)
 
 
-__all__ = ["RangeGet", "download"]
+__all__ = ["RangeGet", "download", "download_to_file"]

@@ -76,9 +76,10 @@ class S3Options:
     part_size: int = 8 * MiB
     """Multipart part size (S3 requires at least 5 MiB but for the last part)."""
     download_part_size: int = 8 * MiB
-    """Size of each ranged GET of a download."""
+    """Size of each ranged GET of a download (a checkpoint blob, or an ``s3://`` input: an object of one part
+    or less is one GET; fetching an input holds one part per worker in memory)."""
     max_concurrency: int | None = None
-    """Parts uploaded / ranged GETs in flight per store (default: :func:`default_concurrency`)."""
+    """Parts uploaded / ranged GETs in flight per store, and per input fetch (default: :func:`default_concurrency`)."""
     max_attempts: int = 6
     """Attempts per request, the first included."""
     backoff_initial: float = 0.2
