@@ -95,7 +95,7 @@ class Run:
         self.up: dict[str, float] = {}  # node -> when it went up
         self.notices: dict[str, tuple[float, float]] = {}  # node -> (notice seen, removal)
         self.world: frozenset[str] = frozenset()
-        self.step = self.committed = self.saved = 0
+        self.step = self.committed = self.saved = self.committed_world = 0
         self.upload: tuple[int, float] | None = None  # (step, when committed)
         self.t_saved = 0.0
         self.since_commit: list[tuple[int, float]] = []  # (step, seconds) trained after the newest commit
@@ -130,7 +130,7 @@ class Run:
 
     def _commit(self, step: int) -> None:
         if step > self.committed:
-            self.committed, self.commits = step, self.commits + 1
+            self.committed, self.commits, self.committed_world = step, self.commits + 1, len(self.world)
             self.since_commit = [(s, d) for s, d in self.since_commit if s > step]
 
     def next_event_t(self) -> float:
@@ -218,6 +218,7 @@ class Run:
         if self.committed > 0:
             manifest = Manifest(run_id="model", step=self.committed, cursor=self.committed * self.batch.global_batch,
                                 created=self.t, writer="model", config_hash="model", blobs={},
+                                world={"size": self.committed_world * self.costs.gpus_per_node},
                                 batch_plan=self.plan.to_dict() if self.plan else {})
         new_plan = plan_batch(self.batch, 1.0, max(1, len(self.world)) * self.costs.gpus_per_node)
         resume = plan_resume(manifest, [], plan=new_plan, config_hash="model", total_steps=ENDLESS)

@@ -106,14 +106,15 @@ def test_a_notice_too_short_for_the_commit_is_a_loss():
 
 def bench_trace() -> tuple[list[NodeEvent], float]:
     """bench/preemption.py's default run: 3 ranks; a notice, a kill and a silent node 60 s apart (first at 30 s
-    after the first step), each node started again once the others train again; stopped 180 s after the first step."""
+    after the first step), each node started again once the others train again (its replacement a second after
+    the bench saw their first step); stopped 180 s after the first step."""
     c = goodput_costs.CPU
     s0 = c.initial_start_s
     back = [9.2, 15.8, 15.4]  # event -> first step of the new world, bench/preemption.py (issue 26)
     trace = _nodes(3)
-    for k, (notice, victim) in enumerate([(120.0, "n0"), (0.0, "n1"), (0.0, "n0")]):
-        t = s0 + 30.0 + 60.0 * k
-        trace += [NodeEvent(t, "remove", victim, notice), NodeEvent(t + back[k], "add", victim)]
+    for k, (notice, victim) in enumerate([(120.0, "n0"), (0.0, "n1"), (0.0, "n2")]):
+        t = s0 + 30.0 + 60.0 * k  # the notice is served then; the node goes a notice later
+        trace += [NodeEvent(t + notice, "remove", victim, notice), NodeEvent(t + back[k] + 1.0, "add", f"r{k}")]
     return trace, s0 + 180.0
 
 
