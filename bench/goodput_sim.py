@@ -238,10 +238,38 @@ class Run:
         self.apply_events()
         self.start_world("start")
         while self.t < self.end:
+            self.cruise()
             self.train_step()
         gb = self.batch.global_batch
         return Result(dict(self.seconds), self.t, self.step, self.step * gb * self.costs.tokens_per_sample,
                       self.node_seconds, self.recoveries, self.commits, self.every)
+
+    def cruise(self) -> None:
+        """Steps before the next trace event, notice or commit, where only the cadence can decide anything:
+        what :meth:`train_step` would do one at a time, without its per-event bookkeeping (the model's hot
+        loop: a week at 0.1 s steps is millions of them). Stops at the first step a save is due, after it."""
+        if (self.notices and not self.world.isdisjoint(self.notices)) or self._may_join():
+            return
+        d = self.step_s(len(self.world))
+        horizon = min(self.next_event_t(), self.end, self.upload[1] if self.upload else math.inf,
+                      self.notice_queue[self.k][0] if self.k < len(self.notice_queue) else math.inf)
+        t, step, due = self.t, self.step, False
+        while not due and t + d < horizon:
+            t, step = t + d, step + 1
+            self.since_commit.append((step, d))
+            due, _ = checkpoint_due(step=step, total_steps=ENDLESS, last_step=self.saved,
+                                    seconds_since=t - self.t_saved, cfg=self.cfg)
+        self.node_seconds += (t - self.t) * len(self.up)
+        self.seconds["kept"] += t - self.t
+        self.t, self.step = t, step
+        if due:
+            self.boundary(d)
+
+    def _may_join(self) -> bool:
+        """Nodes wait that a round would take (the check first: it runs every step)."""
+        if len(self.world) >= self.max_nodes or len(self.up) <= len(self.world):
+            return False
+        return any(n not in self.world for n in self.eligible())
 
     def train_step(self) -> None:
         """One step of the world, then its boundary; a node lost during the step ends it (its time: restart)."""
@@ -268,9 +296,8 @@ class Run:
         if self.notices and not self.world.isdisjoint(self.notices):  # (the check alone: it runs every step)
             reports = [(n, [LEVEL_LEAVE if n in self.notices else LEVEL_NONE]) for n in sorted(self.world)]
             return self.leave(leaving_nodes(reports), step_s)
-        if len(self.world) < self.max_nodes and len(self.up) > len(self.world):
-            if any(n not in self.world for n in self.eligible()):
-                return self.join()
+        if self._may_join():
+            return self.join()
         return None
 
     def maybe_save(self) -> bool:
