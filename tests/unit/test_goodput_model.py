@@ -171,3 +171,9 @@ def test_cli_bad_trace_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.csv").write_text("0,add,a\n5,leave,a\n")
     assert goodput_model.main(["--trace", str(tmp_path / "bad.csv")]) == 2
     assert "bad.csv:2" in capsys.readouterr().err
+
+
+def test_young_daly_interval_in_steps():
+    assert goodput_sim.young_daly_steps(2.0, 3600.0, 1.0) == 120  # sqrt(2 * 2 * 3600) = 120 s of 1 s steps
+    assert goodput_sim.young_daly_steps(2.0, 3600.0, 0.5) == 240
+    assert goodput_sim.young_daly_steps(0.0, 0.0, 1.0) == 1
