@@ -223,6 +223,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, (value, lo, hi) in bounds.items():
         if not lo <= value <= hi:
             p.error(f"{flag}: {value} is out of range; give {lo} to {hi}")
+    if args.max_nodes and args.min_nodes > args.max_nodes:
+        p.error(f"--min-nodes ({args.min_nodes}) is above --max-nodes ({args.max_nodes}): the run could never start")
     if args.plot and args.trace:
         p.error("--plot draws the synthetic matrix (goodput against nodes and rate): drop --trace")
 
