@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import goodput_costs, goodput_traces  # noqa: E402  (after the path set-up above)
-from bench.goodput_sim import Result, Run, simulate, young_daly_steps  # noqa: E402
+from bench.goodput_sim import Result, Run, simulate  # noqa: E402
 from bench.goodput_traces import BUCKETS, NodeEvent  # noqa: E402
 from elastic_ft.runevents.goodput import CATEGORIES, LABELS  # noqa: E402
+from elastic_ft.train.checkpoint_interval import choose_interval  # noqa: E402
 
 INTERVALS = (5, 10, 20, 50, 100, 200, 500)
 
@@ -63,17 +64,18 @@ def summary(result: Result, od: Result, args: argparse.Namespace) -> dict:
     }
 
 
-def mtbf_s(trace: list[NodeEvent], end: float) -> float:
-    """Seconds between removals that cost redone steps (those without a notice); the run's length if none."""
-    losses = sum(1 for e in trace if e.kind == "remove" and e.notice_s == 0 and e.t <= end)
-    return end / losses if losses else end
+def losses(trace: list[NodeEvent], end: float) -> int:
+    """Removals that cost redone steps (those without a notice) up to ``end``."""
+    return sum(1 for e in trace if e.kind == "remove" and e.notice_s == 0 and e.t <= end)
 
 
 def intervals(trace: list[NodeEvent], costs, end: float, kw: dict) -> list[dict]:
-    """Goodput at fixed every_steps and at Young/Daly's interval (C: the blocking per save)."""
+    """Goodput at fixed every_steps and at the interval ``checkpoint.every_steps: auto`` chooses (the product's
+    :func:`choose_interval`: Young/Daly from the blocking per save and the trace's losses over its length)."""
     probe = Run(trace, costs, min_nodes=kw["min_nodes"], max_nodes=kw["max_nodes"], end=end)
     step_s = probe.step_s(kw["max_nodes"])
-    yd = young_daly_steps(costs.ckpt_block_s, mtbf_s(trace, end), step_s)
+    yd = choose_interval(commit_s=costs.ckpt_block_s, step_s=step_s, losses=losses(trace, end), exposure_s=end,
+                         prior_mtbf_s=end).steps
     rows = []
     for every in sorted(set(INTERVALS) | {costs.every_steps, yd}):
         r = simulate(trace, costs, end=end, every_steps=every, **kw)

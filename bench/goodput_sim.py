@@ -64,17 +64,6 @@ class Result:
         return self.seconds["kept"] / self.wall if self.wall > 0 else 0.0
 
 
-def young_daly_steps(commit_s: float, mtbf_s: float, step_s: float) -> int:
-    """Young/Daly's interval sqrt(2 C MTBF) in whole steps (at least 1).
-
-    Computed here from the model's own parameters until the product's
-    ``checkpoint.every_steps: auto`` function lands; then the model calls that.
-    """
-    if mtbf_s <= 0 or step_s <= 0:
-        return 1
-    return max(1, round(math.sqrt(2.0 * max(commit_s, 1e-6) * mtbf_s) / step_s))
-
-
 class Run:
     """One modelled run: the trace replayed against the costs, from t=0 to ``end``."""
 

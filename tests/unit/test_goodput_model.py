@@ -17,6 +17,7 @@ import pytest
 import elastic_ft.runevents.goodput as goodput
 import elastic_ft.spot.policy as policy
 import elastic_ft.train.cadence as cadence
+import elastic_ft.train.checkpoint_interval as checkpoint_interval
 import elastic_ft.train.resume as resume
 import elastic_ft.train.scaling as scaling
 from bench import goodput_costs, goodput_model, goodput_sim, goodput_traces
@@ -173,7 +174,9 @@ def test_cli_bad_trace_is_one_line(tmp_path, capsys):
     assert "bad.csv:2" in capsys.readouterr().err
 
 
-def test_young_daly_interval_in_steps():
-    assert goodput_sim.young_daly_steps(2.0, 3600.0, 1.0) == 120  # sqrt(2 * 2 * 3600) = 120 s of 1 s steps
-    assert goodput_sim.young_daly_steps(2.0, 3600.0, 0.5) == 240
-    assert goodput_sim.young_daly_steps(0.0, 0.0, 1.0) == 1
+def test_the_interval_compared_is_the_products_auto_choice(tmp_path):
+    """The Young/Daly row is what ``checkpoint.every_steps: auto`` would choose: the product's function."""
+    assert goodput_model.choose_interval is checkpoint_interval.choose_interval
+    trace = [NodeEvent(0.0, "add", "a"), NodeEvent(0.0, "add", "b"),
+             NodeEvent(1800.0, "remove", "a"), NodeEvent(1900.0, "add", "c")]
+    assert goodput_model.losses(trace, 3600.0) == 1 and goodput_model.losses(trace, 1000.0) == 0
