@@ -1,5 +1,7 @@
-"""Restarts: a worker SIGKILLed mid-run, and a run interrupted and resumed at other
-world sizes. The ledger (sample ids of every step) proves exactly-once consumption."""
+"""Restarts: a run interrupted and resumed at other world sizes. The ledger (sample ids of every step) proves
+exactly-once consumption. A worker SIGKILLed mid-run and restarted by torchrun in place is the main job of
+tests/checkpoint/test_main_job_s3.py (the same job, its checkpoints on S3: it proves what the same job on
+file:// proved here, the ledger's order included)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
+from tests.e2e.conftest import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -45,29 +48,12 @@ def expected_sequence(global_batch: int) -> list[tuple[int, int]]:
     return take(0, STEPS * global_batch, 1024, spec.seed)
 
 
-def test_sigkilled_worker_restarts_and_resumes_exactly_once(run_root):
-    proc = torchrun(2, worker_args(run_root, "killed"), max_restarts=1, env=fault_env("kill:rank=1,step=14,restart=0"))
-    assert proc.returncode == 0, explain(proc)
-    events = events_of(run_root, "killed")
-    starts = [e for e in events if e["event"] == "start"]
-    assert [s["restart"] for s in starts] == [0, 1], "torchrun did not restart the workers once"
-    resumes = [e for e in events if e["event"] == "resume_plan"]
-    # Saves are asynchronous: the restart resumes from the newest one committed before the kill.
-    assert resumes[-1]["step"] == committed_before(events, 1) >= 8
-    assert resumes[-1]["source"].endswith(f"{resumes[-1]['step']:012d}.json")
-    history = replay(events)
-    assert sorted(history) == list(range(STEPS))
-    assert check_exactly_once(history, 1024) == []
-    consumed = [p for step in sorted(history) for p in history[step]]
-    assert consumed == expected_sequence(32)
-    assert events[-1]["event"] == "end" and events[-1]["step"] == STEPS
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
+    """The uninterrupted run, trained in this process at world 1 (no torchrun and worker imports to pay for):
+    constant_global makes its samples, LR and model those of any world, up to the order of float sums."""
     root = str(tmp_path_factory.mktemp("reference"))
-    proc = torchrun(2, worker_args(root, "ref", "batch.global_batch=50"))
-    assert proc.returncode == 0, explain(proc)
+    assert train(root, "ref", *COMMON, "batch.global_batch=50") == 0
     return events_of(root, "ref")
 
 
