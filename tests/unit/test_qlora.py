@@ -124,26 +124,16 @@ def test_the_base_is_4bit_and_its_decoder_weights_take_a_quarter_of_bfloat16():
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_quantization_gives_the_same_bytes_in_every_process():
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    here = state_digest(model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization))
     env = {**os.environ, "PYTHONPATH": REPO}
-    # The two processes (1 and 2 threads) and this one's own quantization run at once: each is mostly
-    # interpreter and bitsandbytes imports, which one after another cost the suite ~8 s more on 2 cores.
-    procs = [subprocess.Popen([sys.executable, "-c", DIGEST_SCRIPT, str(threads), DEFAULT_SPEC], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for threads in (1, 2)]
-    try:
-        spec = load_spec(DEFAULT_SPEC, Q4)
-        tok = model_mod.build_tokenizer(spec.model)
-        here = state_digest(model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None,
-                                                 spec.quantization))
-        digests = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-3000:]
-            digests += [line.split()[1] for line in out.splitlines() if line.startswith("DIGEST ")]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    digests = []
+    for threads in (1, 2):
+        proc = subprocess.run([sys.executable, "-c", DIGEST_SCRIPT, str(threads), DEFAULT_SPEC], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests += [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("DIGEST ")]
     assert digests == [here, here]
     other = load_spec(DEFAULT_SPEC, [*Q4, "seed=1"])
     base = model_mod.build_base(other.model, tok, other.seed, other.precision, None, other.quantization)
