@@ -15,7 +15,6 @@ from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train.cursor import take
 from tests.conftest import DEFAULT_SPEC, explain, process_env, torchrun
-from tests.e2e.conftest import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
@@ -50,10 +49,9 @@ def expected_sequence(global_batch: int) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """The uninterrupted run, trained in this process at world 1 (no torchrun and worker imports to pay for):
-    constant_global makes its samples, LR and model those of any world, up to the order of float sums."""
     root = str(tmp_path_factory.mktemp("reference"))
-    assert train(root, "ref", *COMMON, "batch.global_batch=50") == 0
+    proc = torchrun(2, worker_args(root, "ref", "batch.global_batch=50"))
+    assert proc.returncode == 0, explain(proc)
     return events_of(root, "ref")
 
 
