@@ -12,8 +12,10 @@ import torch
 
 from elastic_ft.checkpoint.reader import list_manifests, load_newest
 from elastic_ft.checkpoint.s3 import S3Store
+from elastic_ft.config import load_spec
 from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
+from elastic_ft.train.cursor import take
 from tests.checkpoint.s3_servers import aws_env
 from tests.conftest import DEFAULT_SPEC, cli, explain, process_env, torchrun
 
@@ -70,6 +72,10 @@ def test_killed_job_resumes_from_s3_and_completes_exactly_once(s3_job, monkeypat
     history = replay(events)
     assert sorted(history) == list(range(STEPS))
     assert check_exactly_once(history, 1024) == []
+    # In the cursor's order: the restart went on with the samples where the committed cursor stood.
+    spec = load_spec(DEFAULT_SPEC)
+    consumed = [p for step in sorted(history) for p in history[step]]
+    assert consumed == take(0, STEPS * spec.batch.global_batch, 1024, spec.seed)
     assert events[-1]["event"] == "end" and events[-1]["step"] == STEPS
     # What is on the server is what the job says it committed.
     store = open_like_the_cli(uri, env, monkeypatch)
