@@ -43,3 +43,14 @@ def test_data_bench_runs_its_store_measures():
     assert done.returncode == 0, explain(done)
     assert re.search(r"restart vs demo corpus: [+-]\d+\.\d+ s", done.stdout), explain(done)
     assert "build, 2 ranks" in done.stdout, explain(done)
+
+
+@pytest.mark.s3server
+def test_model_fetch_bench_runs_each_way():
+    """``bench/model_fetch.py`` (SeaweedFS; the single stream, ranged GETs into the file, the store's read, a
+    restart) at 4 MB: each way finishes and prints its ratio."""
+    done = bench("model_fetch.py", "--mb", "4", "--repeats", "1", "--part-mb", "1")
+    assert done.returncode == 0, explain(done)
+    for way in ("single stream (before)", "parallel ranged GETs", "checkpoint store's read"):
+        assert re.search(re.escape(way) + r" .* ratio +\d+\.\d+", done.stdout), (way, explain(done))
+    assert "now (the stamp matches)" in done.stdout, explain(done)
