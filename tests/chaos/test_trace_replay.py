@@ -1,0 +1,54 @@
+"""The goodput model validated against a measured run: a trace segment replayed on the chaos cluster.
+
+bench/trace_replay.py calibrates this machine's costs on the cluster (one
+start, a kill, the node's return), replays a folded, time-compressed segment
+of a node availability trace on a new run of the same cluster (a remove is a
+SIGKILL of the node's tree, an add starts it again), measures the run's
+goodput as ``elastic-ft goodput`` does, and runs bench/goodput_model.py on the
+same segment with the calibrated costs. Issue 27: they agree within 5
+percentage points, or the model is wrong.
+
+The synthetic segment (generated in code, the trace's CSV format) runs
+everywhere; the real p3 trace's busiest segment runs when ``ELASTIC_FT_TRACE``
+names the file (it is data, never copied into the repository).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import trace_replay as tr
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.mark.etcd]
+
+TOLERANCE_POINTS = 5.0
+NPROCS = [1, 2, 1]
+
+
+def check(result: dict, segment: list[tr.Change]) -> None:
+    assert len(result["done"]) == len(segment), result["done"]  # every change of the segment was played
+    measured = result["measured"]
+    assert measured["attempts"] >= 1 + sum(c.action == "remove" for c in segment if c.ms > 0), measured
+    assert abs(result["points"]["goodput"]) <= TOLERANCE_POINTS, (
+        f"model and measurement differ by {result['points']['goodput']:+.1f} points\n{tr.table(result)}\n"
+        f"costs: {result['costs']}\nmodel: {result['model_output']}")
+
+
+def test_synthetic_segment_goodput_agrees_with_the_model(etcd, tmp_path):
+    segment = tr.compress(tr.fold(tr.parse_trace(tr.synthetic_segment(), "synthetic"), len(NPROCS)),
+                          tr.SYNTHETIC_FACTOR)
+    end_ms = round(tr.SYNTHETIC_END_MS / tr.SYNTHETIC_FACTOR)
+    check(tr.validate(etcd.endpoint, tmp_path, segment, end_ms, NPROCS), segment)
+
+
+def test_p3_trace_segment_goodput_agrees_with_the_model(etcd, tmp_path):
+    path = os.environ.get(tr.TRACE_ENV)
+    if not path:
+        pytest.skip(f"{tr.TRACE_ENV} is not set: name the p3 Spot trace (../shared/traces/p3-spot-32.csv) to run it")
+    if not os.path.isfile(path):
+        pytest.skip(f"{tr.TRACE_ENV}={path}: no such file")
+    args = tr.parse(["--trace", path, "--nprocs", ",".join(map(str, NPROCS))])
+    segment, end_ms, _ = tr.segment_of(args)
+    check(tr.validate(etcd.endpoint, tmp_path, segment, end_ms, NPROCS), segment)
