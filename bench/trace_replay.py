@@ -22,15 +22,22 @@ down, and every other event is merged away (an add to a node that is up, a
 remove of one that is down). The fleet's rate of changes is kept (on the
 p3 trace at 32 nodes nearly every change is a restart of the whole job, as it
 is on K nodes), not its size. Nodes up at the segment's start are ``add``
-events at 0 ms. Compression (``compress``): every time divided by the factor.
+events at 0 ms. Compression (``compress``): every time divided by one factor,
+at most ``--factor`` (6: a trace minute in 10 s) and less where the start the
+calibration measured needs it (``fitting_factor``: the first change comes after
+the run has started and trained a few steps; on a loaded machine the start
+takes a minute or more); the factor used is printed. The bench's default
+segment (``busiest_start``) is the window of ``--minutes`` with the most
+changes, none in its first three minutes and some node always up.
 
     python bench/trace_replay.py --trace ../shared/traces/p3-spot-32.csv [--start-min M] [--minutes 30]
                                  [--factor 6] [--nprocs 1,2,1] [--json] [--keep]
     python bench/trace_replay.py --synthetic          # the test's segment, generated here
 
 Cost: every restart of the replay costs what a restart costs on this machine
-(10-25 s of process start and imports on 2 cores); the replay's wall time is
-the segment's length over the factor, plus one calibration run (~1 min).
+(10-25 s of process start and imports on 2 cores, far more under load); the
+replay's wall time is the segment's length over the factor, plus one
+calibration run (about a minute idle, four under a load of 20).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ TRACE_ENV = "ELASTIC_FT_TRACE"
 ACTIONS = ("add", "remove")
 WAIT_S = 240.0  # any single wait of the calibration: far above a healthy recovery on a loaded 2-core machine
 NPROCS = (1, 2, 1)
-EVERY_STEPS = 10
+EVERY_STEPS = 5  # a commit to resume from soon after the start, even at a loaded machine's 5 s steps
 GLOBAL_BATCH, MICRO_BATCH = 32, 8  # specs/tiny-lora.yaml's batch, which the cluster trains
 
 
@@ -201,8 +208,7 @@ def synthetic_segment() -> str:
     return "".join(f"{ms},{a},{n}\n" for ms, a, n in rows)
 
 
-SYNTHETIC_FACTOR = 6.0
-SYNTHETIC_END_MS = 540_000  # trace time: 90 s of wall time at the factor above
+SYNTHETIC_END_MS = 540_000  # trace time: 90 s of wall time compressed by 6
 
 
 # ------------------------------------------------------------------------------------- the cluster (processes)
@@ -273,7 +279,7 @@ def costs_of(events: list[dict], t_kill: float, t_join: float, recovery, full: i
     - ``first_start_s``: the run's start: the first agent's start -> the resume plan of the first world of
       every node (agents' imports, the first rendezvous, workers' start and load);
     - ``load_s``: a worker's start to its resume plan (imports, model, process group, checkpoint read),
-      the median over the attempts;
+      the median over the restarts;
     - ``kill_restart_s``: a SIGKILL -> the new world's worker start (``detect_s``, ``rendezvous_s``:
       the survivor's agent marks; ``spawn_s`` the rest);
     - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``), the median;
@@ -300,7 +306,7 @@ def costs_of(events: list[dict], t_kill: float, t_join: float, recovery, full: i
                 blocked.append(float(e["ts"]) - float(e["seconds"]) - float(previous["ts"]))
             previous = e
     loads = []
-    for i in starts:
+    for i in starts[1:]:  # the first attempt also builds the run's token store: the run's start, not a restart's
         plan = next((e for e in events[i:] if e["event"] == "resume_plan"), None)
         if plan is not None:
             loads.append(float(plan["ts"]) - float(events[i].get("process_start") or events[i]["ts"]))
@@ -339,10 +345,17 @@ def costs_of(events: list[dict], t_kill: float, t_join: float, recovery, full: i
 
 
 def replay(endpoint: str, root: Path, nprocs: list[int], segment: list[Change], end_ms: int,
-           every_steps: int = EVERY_STEPS, run_id: str = "replay") -> tuple[list[dict], list[dict]]:
+           every_steps: int = EVERY_STEPS, run_id: str = "replay") -> tuple[float, list[dict]]:
     """Play ``segment`` (folded onto ``len(nprocs)`` nodes node0.., times already compressed) on a new run from
-    its 0 ms to ``end_ms``; the run's events and what was done when: ``[{t, action, node}]`` (t from the start)."""
-    from elastic_ft.runevents.events import read_events
+    its 0 ms to ``end_ms``, then until the run trains again (a step ends after ``end_ms``; at most
+    ``WAIT_S`` more), and stop every node. Returns (the replay's 0 in wall time, what was done when:
+    ``[{t, action, node}]``, t from 0).
+
+    Why not stop at ``end_ms``: a run's goodput ends at its last event, so a run stopped within a restart
+    would leave the restart's time out; stopping after a step, the measured wall and the model's end
+    (:func:`validate` runs it to the same last event) cover the same time.
+    """
+    from bench.recovery import EventTail
 
     c = _cluster(endpoint, run_id, root / run_id, nprocs, every_steps)
     names = {n.name: n for n in c.nodes}
@@ -351,6 +364,7 @@ def replay(endpoint: str, root: Path, nprocs: list[int], segment: list[Change], 
         raise TraceError(f"the segment names {', '.join(unknown)}: fold it onto {len(nprocs)} nodes "
                          f"({', '.join(names)}) first")
     done: list[dict] = []
+    tail = EventTail(c.events_path)
     t0 = time.time()
     try:
         for ch in segment:
@@ -362,18 +376,43 @@ def replay(endpoint: str, root: Path, nprocs: list[int], segment: list[Change], 
                 c.start(node)
             done.append({"t": round(time.time() - t0, 3), "action": ch.action, "node": ch.node})
         time.sleep(max(0.0, t0 + end_ms / 1000 - time.time()))
+        end = t0 + end_ms / 1000
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not any(e["event"] == "step_done" and e["ts"] >= end
+                                                      for e in tail.poll()):
+            time.sleep(0.1)  # the run's own progress is the condition; bounded, then stopped as it is
     finally:
         c.stop_all()
-    return read_events(str(c.events_path)), done
+    return t0, done
+
+
+def attempts_of(events: list[dict], t0: float) -> list[dict]:
+    """The run's attempts, times from the replay's 0: worker start, resume plan (training begins), world, the
+    step resumed from, the last step trained and how the attempt ended (its last event)."""
+    out: list[dict] = []
+    for e in events:
+        if e["event"] == "start":
+            out.append({"process_start": round(float(e.get("process_start") or e["ts"]) - t0, 2),
+                        "world": e["world"], "trains": None, "resumed": None, "last_step": None})
+        elif out:
+            a = out[-1]
+            if e["event"] == "resume_plan":
+                a["trains"], a["resumed"] = round(float(e["ts"]) - t0, 2), e["step"]
+            elif e["event"] == "step_done":
+                a["last_step"] = e["step"]
+            a["ended"], a["end"] = e["event"], round(float(e["ts"]) - t0, 2)
+    return out
 
 
 def measured_goodput(run_dir: Path):  # type: ignore[no-untyped-def]
-    """The run's goodput as ``elastic-ft goodput RUN`` gives it (the same loader and attribution)."""
+    """The run's goodput as ``elastic-ft goodput RUN`` gives it (the same loader and attribution), and the wall
+    time of its last event (None: no event)."""
     from elastic_ft.runevents.goodput import attribute
     from elastic_ft.runevents.load import load_run_events
 
     _, events = load_run_events(str(run_dir / "logs" / "events.jsonl"))
-    return attribute(list(events))
+    last = max((float(e["ts"]) for e in events if "ts" in e), default=None)
+    return attribute(list(events)), last
 
 
 # ------------------------------------------------------------------------------------------------- the model
@@ -455,14 +494,34 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def validate(endpoint: str, root: Path, segment: list[Change], end_ms: int, nprocs: list[int]) -> dict:
-    """Calibrate, replay, predict and compare: everything the test asserts on and the bench prints."""
+def fitting_factor(segment: list[Change], measured: dict, most: float) -> float:
+    """The compression for ``segment`` (trace times) on a machine whose costs are ``measured``: at most ``most``,
+    and small enough that the segment's first change comes once the run has started and trained a few steps
+    (the measured start, 5 steps, 5 s), so that the replay measures the changes and not a start cut short;
+    at least 1. On an idle 2-core machine the cap decides; under load the start does."""
+    initial = sum(1 for c in segment if c.ms == 0 and c.action == "add")
+    first_ms = min((c.ms for c in segment[initial:]), default=0)
+    need_s = measured["first_start_s"] + 5 * measured["step_s"] + 5.0
+    return max(1.0, min(most, first_ms / 1000 / need_s)) if first_ms else most
+
+
+def validate(endpoint: str, root: Path, segment: list[Change], end_ms: int, nprocs: list[int],
+             most_factor: float = 6.0) -> dict:
+    """Calibrate, compress ``segment`` (trace times, folded onto ``nprocs``'s nodes, to ``end_ms``) by the
+    :func:`fitting_factor`, replay, predict and compare: everything the test asserts on and the bench prints."""
     measured_costs = calibrate(endpoint, root, nprocs)
-    events, done = replay(endpoint, root, nprocs, segment, end_ms)
-    measured = measured_goodput(root / "replay")
-    predicted = predict(segment, measured_costs, end_ms, len(nprocs))
-    return {"costs": measured_costs, "done": done, **compare(measured, predicted), "model_output": predicted,
-            "segment": to_csv(segment)}
+    factor = fitting_factor(segment, measured_costs, most_factor)
+    played, played_end = compress(segment, factor), round(end_ms / factor)
+    t0, done = replay(endpoint, root, nprocs, played, played_end)
+    measured, last = measured_goodput(root / "replay")
+    # The model runs to the run's last event: the wall time ``elastic-ft goodput`` measured.
+    model_end_ms = round(1000 * (last - t0)) if last is not None else played_end
+    predicted = predict(played, measured_costs, model_end_ms, len(nprocs))
+    from elastic_ft.runevents.events import read_events
+
+    attempts = attempts_of(read_events(str(root / "replay" / "logs" / "events.jsonl")), t0)
+    return {"costs": measured_costs, "attempts": attempts, "factor": factor, "done": done, **compare(measured, predicted),
+            "model_output": predicted, "segment": to_csv(played), "end_ms": played_end, "model_end_ms": model_end_ms}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -474,7 +533,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-min", type=float, default=None,
                    help="the segment's start in the trace, minutes (default: the busiest window)")
     p.add_argument("--minutes", type=float, default=24.0, help="the segment's length in trace minutes (1 to 720)")
-    p.add_argument("--factor", type=float, default=6.0, help="time compression: trace seconds per wall second")
+    p.add_argument("--factor", type=float, default=6.0,
+                   help="the most time compression (trace seconds per wall second); less where the measured start "
+                        "needs it (see fitting_factor)")
     p.add_argument("--nprocs", default=",".join(map(str, NPROCS)), help="workers per node (3 or 4 nodes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true", help="keep the work directory and print it")
@@ -495,17 +556,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def segment_of(args: argparse.Namespace) -> tuple[list[Change], int, int | None]:
-    """(the folded, compressed segment, its end in compressed ms, its start in the trace in ms or None)."""
+    """(the folded segment in trace time, its end (ms), its start in the trace in ms or None)."""
     slots = len(args.nprocs)
     if args.synthetic:
-        seg = fold(parse_trace(synthetic_segment(), "synthetic"), slots)
-        return compress(seg, SYNTHETIC_FACTOR), round(SYNTHETIC_END_MS / SYNTHETIC_FACTOR), None
+        return fold(parse_trace(synthetic_segment(), "synthetic"), slots), SYNTHETIC_END_MS, None
     trace = read_trace(args.trace)
     length = round(args.minutes * 60_000)
-    # The first change 40 s of wall time in: the run has started (20-30 s on 2 cores) and trained a little.
-    lead = round(40_000 * args.factor)
-    start = busiest_start(trace, slots, length, lead) if args.start_min is None else round(args.start_min * 60_000)
-    return compress(fold(trace, slots, start, start + length), args.factor), round(length / args.factor), start
+    start = busiest_start(trace, slots, length) if args.start_min is None else round(args.start_min * 60_000)
+    return fold(trace, slots, start, start + length), length, start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -523,14 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-trace-replay-"))
     etcd = EtcdServer(root / "etcd").start()
     try:
-        result = validate(etcd.endpoint, root, segment, end_ms, args.nprocs)
+        result = validate(etcd.endpoint, root, segment, end_ms, args.nprocs, args.factor)
     finally:
         etcd.stop()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     result["replay"] = {"source": "synthetic" if args.synthetic else args.trace, "start_ms": start,
-                        "factor": SYNTHETIC_FACTOR if args.synthetic else args.factor, "end_ms": end_ms,
-                        "nprocs": args.nprocs}
+                        "minutes": end_ms / 60_000, "factor": result["factor"], "nprocs": args.nprocs}
     if args.json:
         print(json.dumps(result, default=str))
     else:
