@@ -15,6 +15,7 @@ names the file (it is data, never copied into the repository).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -28,18 +29,21 @@ TOLERANCE_POINTS = 5.0
 NPROCS = [1, 2, 1]
 
 
-def check(result: dict, segment: list[tr.Change]) -> None:
+def check(result: dict, segment: list[tr.Change], out) -> None:  # type: ignore[no-untyped-def]
+    out.write_text(json.dumps(result, default=str, indent=1))  # for the figures, and for a failure's why
     assert len(result["done"]) == len(segment), result["done"]  # every change of the segment was played
-    measured = result["measured"]
-    assert measured["attempts"] >= 1 + sum(c.action == "remove" for c in segment if c.ms > 0), measured
+    # The run trained after the segment's end, so its goodput covers every change's cost.
+    assert result["attempts"] and result["attempts"][-1]["end"] * 1000 >= result["end_ms"], result["attempts"]
     assert abs(result["points"]["goodput"]) <= TOLERANCE_POINTS, (
         f"model and measurement differ by {result['points']['goodput']:+.1f} points\n{tr.table(result)}\n"
-        f"costs: {result['costs']}\nmodel: {result['model_output']}")
+        f"factor {result['factor']:.2f}; costs: {result['costs']}\nattempts: {result['attempts']}\n"
+        f"model: {result['model_output']}")
 
 
 def test_synthetic_segment_goodput_agrees_with_the_model(etcd, tmp_path):
     segment = tr.fold(tr.parse_trace(tr.synthetic_segment(), "synthetic"), len(NPROCS))
-    check(tr.validate(etcd.endpoint, tmp_path, segment, tr.SYNTHETIC_END_MS, NPROCS), segment)
+    check(tr.validate(etcd.endpoint, tmp_path, segment, tr.SYNTHETIC_END_MS, NPROCS), segment,
+          tmp_path / "result.json")
 
 
 def test_p3_trace_segment_goodput_agrees_with_the_model(etcd, tmp_path):
@@ -50,4 +54,4 @@ def test_p3_trace_segment_goodput_agrees_with_the_model(etcd, tmp_path):
         pytest.skip(f"{tr.TRACE_ENV}={path}: no such file")
     args = tr.parse(["--trace", path, "--nprocs", ",".join(map(str, NPROCS))])
     segment, end_ms, _ = tr.segment_of(args)
-    check(tr.validate(etcd.endpoint, tmp_path, segment, end_ms, NPROCS), segment)
+    check(tr.validate(etcd.endpoint, tmp_path, segment, end_ms, NPROCS), segment, tmp_path / "result.json")

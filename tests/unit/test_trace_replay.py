@@ -70,9 +70,19 @@ def test_no_window_is_one_clear_error():
         tr.busiest_start(changes((0, "add", "node1")), 3, 60_000)
 
 
-def test_the_synthetic_segment_plays_three_nodes_each_back_after_its_loss():
+def test_the_synthetic_segment_plays_a_loss_a_return_and_the_loss_of_the_two_worker_node():
     seg = tr.fold(tr.parse_trace(tr.synthetic_segment()), 3)
     assert [c.node for c in seg[:3]] == ["node0", "node1", "node2"]
-    assert [(c.action, c.node) for c in seg[3:]] == [("remove", "node2"), ("add", "node2"), ("remove", "node1"),
-                                                     ("add", "node1")]
+    assert [(c.action, c.node) for c in seg[3:]] == [("remove", "node2"), ("add", "node2"), ("remove", "node1")]
     assert max(c.ms for c in seg) < tr.SYNTHETIC_END_MS
+
+
+def test_the_compression_leaves_room_for_the_start_and_for_a_restart_between_changes():
+    seg = tr.fold(tr.parse_trace(tr.synthetic_segment()), 3)  # first change at 240 s, then every 120 s
+    idle = {"first_start_s": 20.0, "step_s": 0.2, "kill_restart_s": 5.0, "load_s": 8.0, "join_boot_s": 5.0}
+    assert tr.fitting_factor(seg, idle, 6.0) == 6.0  # the cap
+    loaded = {**idle, "first_start_s": 70.0, "step_s": 4.0}  # 240 / (70 + 20 + 5) = 2.53; 120 / (18 + 12) = 4
+    assert tr.fitting_factor(seg, loaded, 6.0) == pytest.approx(240 / 95)
+    slow_restart = {**idle, "load_s": 40.0}  # 120 / (5 + 40 + 5 + 0.6)
+    assert tr.fitting_factor(seg, slow_restart, 6.0) == pytest.approx(120 / 50.6)
+    assert tr.fitting_factor(seg, {**idle, "first_start_s": 1000.0}, 6.0) == 1.0
