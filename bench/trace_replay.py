@@ -267,25 +267,33 @@ def calibrate(endpoint: str, root: Path, nprocs: list[int], every_steps: int = E
     finally:
         c.stop_all()
     events = tail.poll()
-    return costs_of(events, t_kill, t_join, rec.recovery("kill", t_kill, events, marks), full, every_steps)
+    return costs_of(events, [t_kill], [t_join], full, every_steps, rec.recovery("kill", t_kill, events, marks))
 
 
-def costs_of(events: list[dict], t_kill: float, t_join: float, recovery, full: int,  # type: ignore[no-untyped-def]
-             every_steps: int) -> dict:
-    """The calibration run's costs in seconds, each as ``attribute`` would count it:
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
-    - ``step_s``: the median step at full world (``step_s_by_world``: at each world seen);
+
+def _process_start(event: dict) -> float:
+    return float(event.get("process_start") or event["ts"])
+
+
+def costs_of(events: list[dict], kills: list[float], joins: list[float], full: int, every_steps: int,
+             recovery=None) -> dict:  # type: ignore[no-untyped-def]
+    """A run's costs in seconds, each as ``attribute`` would count it, from its events and the wall times its
+    nodes were killed (``kills``) and started again (``joins``); medians where there are several:
+
+    - ``step_s``: the step at full world (``step_s_by_world``: at each world seen);
     - ``commit_s``: training blocked per periodic save (a saved step's end to the next step's start);
-    - ``first_start_s``: the run's start: the first agent's start -> the resume plan of the first world of
-      every node (agents' imports, the first rendezvous, workers' start and load);
-    - ``load_s``: a worker's start to its resume plan (imports, model, process group, checkpoint read),
-      the median over the restarts;
-    - ``kill_restart_s``: a SIGKILL -> the new world's worker start (``detect_s``, ``rendezvous_s``:
-      the survivor's agent marks; ``spawn_s`` the rest);
-    - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``), the median;
+    - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``);
+    - ``first_start_s``: the run's start: the first agent's start -> the resume plan of its first world
+      (agents' imports, the first rendezvous, workers' start and load, the run's token store built);
+    - ``load_s``: a restarted worker's start to its resume plan (imports, model, process group, checkpoint);
+    - ``kill_restart_s``: a SIGKILL -> the new world's worker start; ``detect_s`` and ``rendezvous_s`` its
+      parts from ``recovery`` (bench/recovery.py's, of the survivor's agent log) where given;
     - ``join_boot_s``: a node started -> the survivors' last step (its agent starting and joining: they
       train on meanwhile);
-    - ``join_restart_s``: that last step -> the full world's worker start (the survivors' commit and exit,
+    - ``join_restart_s``: that last step -> the next world's worker start (the survivors' commit and exit,
       the round with the new node, spawn); ``join_commit_s`` the commit on the way out, within it.
     """
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
@@ -309,38 +317,37 @@ def costs_of(events: list[dict], t_kill: float, t_join: float, recovery, full: i
     for i in starts[1:]:  # the first attempt also builds the run's token store: the run's start, not a restart's
         plan = next((e for e in events[i:] if e["event"] == "resume_plan"), None)
         if plan is not None:
-            loads.append(float(plan["ts"]) - float(events[i].get("process_start") or events[i]["ts"]))
+            loads.append(float(plan["ts"]) - _process_start(events[i]))
     first = events[starts[0]]
-    i_full = next(i for i in starts if events[i]["world"] == full)
-    first_plan = float(next(e for e in events[i_full:] if e["event"] == "resume_plan")["ts"])
-    i_kill = next(i for i in starts if events[i]["ts"] > t_kill)
-    i_join = next(i for i in starts if events[i]["ts"] > t_join and events[i]["world"] == full)
-    # The attempt the join ended: its last step, then (a clean leave) its commit and exit.
-    last_event = events[i_join - 1]
-    last_step = max((float(e["ts"]) for e in events[:i_join] if e["event"] == "step_done"), default=t_join)
-    join_commit = float(last_event["ts"]) - last_step if last_event["event"] in ("preempted", "end") else 0.0
+    first_plan = float(next(e for e in events[starts[0]:] if e["event"] == "resume_plan")["ts"])
+    kill_restarts = []
+    for t in kills:
+        i = next((i for i in starts if _process_start(events[i]) > t), None)
+        if i is not None:
+            kill_restarts.append(_process_start(events[i]) - t)
+    boots, commits, join_restarts = [], [], []
+    for t in joins:
+        i = next((i for i in starts if events[i]["ts"] > t), None)
+        if i is None or events[i - 1]["event"] not in ("preempted", "end"):
+            continue  # the join's restart was merged with another change: no clean measure of it
+        last_step = max((float(e["ts"]) for e in events[:i] if e["event"] == "step_done"), default=t)
+        boots.append(last_step - t)
+        commits.append(float(events[i - 1]["ts"]) - last_step)
+        join_restarts.append(_process_start(events[i]) - last_step)
     uploads = [float(e["seconds"]) for e in events if e["event"] == "checkpoint_committed" and e.get("seconds")]
-    parts = dict(recovery.parts)
-    detect = recovery.detect
-    rdzv = sum(v for k, v in parts.items() if k in ("stop workers", "re-rendezvous") and v is not None)
-    kill_restart = float(events[i_kill].get("process_start") or events[i_kill]["ts"]) - t_kill
+    kill_restart = _median(kill_restarts)
+    detect = recovery.detect if recovery is not None and recovery.detect is not None else 0.0
     return {
         "step_s": statistics.median(by_world.get(full) or [s for v in by_world.values() for s in v]),
         "step_s_by_world": {str(w): statistics.median(v) for w, v in sorted(by_world.items())},
-        "commit_s": statistics.median(blocked) if blocked else 0.0,
-        "every_steps": every_steps,
-        "first_start_s": first_plan - float(first.get("agent_start") or first.get("process_start") or first["ts"]),
-        "load_s": statistics.median(loads) if loads else 0.0,
-        "kill_restart_s": kill_restart,
-        "detect_s": detect if detect is not None else 0.0,
-        "rendezvous_s": rdzv,
-        "spawn_s": max(0.0, kill_restart - (detect or 0.0) - rdzv),
-        "kill_lost_steps": recovery.lost,
-        "upload_s": statistics.median(uploads) if uploads else 0.0,
-        "join_boot_s": last_step - t_join,
-        "join_commit_s": join_commit,
-        "join_restart_s": float(events[i_join].get("process_start") or events[i_join]["ts"]) - last_step,
-        "recovery_parts": {k: v for k, v in parts.items()},
+        "commit_s": _median(blocked), "upload_s": _median(uploads), "every_steps": every_steps,
+        "first_start_s": first_plan - float(first.get("agent_start") or _process_start(first)),
+        "load_s": _median(loads),
+        "kill_restart_s": kill_restart, "detect_s": min(detect, kill_restart),
+        "rendezvous_s": kill_restart - min(detect, kill_restart),
+        "kill_lost_steps": recovery.lost if recovery is not None else None,
+        "join_boot_s": _median(boots), "join_commit_s": _median(commits), "join_restart_s": _median(join_restarts),
+        "recovery_parts": dict(recovery.parts) if recovery is not None else None,
     }
 
 
@@ -484,13 +491,15 @@ def compare(measured, predicted: dict) -> dict:  # type: ignore[no-untyped-def]
 
 
 def table(result: dict) -> str:
+    """Measured, predicted (calibrated costs) and hindsight (the replay's own costs) by category, in %."""
     from elastic_ft.runevents.goodput import CATEGORIES, LABELS
 
-    rows = [f"{'':<30}{'measured':>10}{'model':>10}{'model-meas.':>13}"]
+    rows = [f"{'':<30}{'measured':>10}{'model':>10}{'model-meas.':>13}{'hindsight':>11}{'hind.-meas.':>13}"]
     for c in ("goodput", *CATEGORIES):
         label = "goodput" if c == "goodput" else LABELS[c]
-        rows.append(f"{label:<30}{100 * result['measured'][c]:>9.1f}%{100 * result['model'][c]:>9.1f}%"
-                    f"{result['points'][c]:>+12.1f}")
+        m, p = 100 * result["measured"][c], 100 * result["model"][c]
+        h = 100 * result["hindsight"][c] if "hindsight" in result else float("nan")
+        rows.append(f"{label:<30}{m:>9.1f}%{p:>9.1f}%{p - m:>+12.1f}{h:>10.1f}%{h - m:>+12.1f}")
     return "\n".join(rows)
 
 
@@ -525,9 +534,23 @@ def validate(endpoint: str, root: Path, segment: list[Change], end_ms: int, npro
     predicted = predict(played, measured_costs, model_end_ms, len(nprocs))
     from elastic_ft.runevents.events import read_events
 
-    attempts = attempts_of(read_events(str(root / "replay" / "logs" / "events.jsonl")), t0)
-    return {"costs": measured_costs, "attempts": attempts, "factor": factor, "done": done, **compare(measured, predicted),
-            "model_output": predicted, "segment": to_csv(played), "end_ms": played_end, "model_end_ms": model_end_ms}
+    events = read_events(str(root / "replay" / "logs" / "events.jsonl"))
+    # The diagnosis where they differ: the model again with the costs the replay itself showed (not a
+    # prediction): what remains is the model's logic, what goes is the machine's costs moving since calibration.
+    kills = [t0 + d["t"] for ch, d in zip(played, done) if ch.action == "remove"]
+    joins = [t0 + d["t"] for ch, d in zip(played, done) if ch.action == "add" and ch.ms > 0]
+    own = costs_of(events, kills, joins, sum(nprocs), EVERY_STEPS)
+    for key in ("detect_s", "rendezvous_s"):  # no agent marks taken in the replay: the calibration's split
+        own[key] = own["kill_restart_s"] * (measured_costs[key] / (measured_costs["kill_restart_s"] or 1.0))
+    for key in ("join_boot_s", "join_commit_s", "join_restart_s"):  # no clean join in the replay: calibration's
+        own[key] = own[key] if joins and own[key] else measured_costs[key]
+    if not kills:
+        own.update({k: measured_costs[k] for k in ("kill_restart_s", "detect_s", "rendezvous_s")})
+    hindsight = predict(played, own, model_end_ms, len(nprocs))
+    return {"costs": measured_costs, "factor": factor, "done": done, "attempts": attempts_of(events, t0),
+            **compare(measured, predicted), "model_output": predicted, "replay_costs": own,
+            "hindsight": compare(measured, hindsight)["model"], "hindsight_output": hindsight,
+            "segment": to_csv(played), "end_ms": played_end, "model_end_ms": model_end_ms}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

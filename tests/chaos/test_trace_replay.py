@@ -6,7 +6,11 @@ of a node availability trace on a new run of the same cluster (a remove is a
 SIGKILL of the node's tree, an add starts it again), measures the run's
 goodput as ``elastic-ft goodput`` does, and runs bench/goodput_model.py on the
 same segment with the calibrated costs. Issue 27: they agree within 5
-percentage points, or the model is wrong.
+percentage points, or the model is wrong. Checked first: the model with the
+costs the replay itself showed (hindsight) agrees within 5 points, so that a
+failure tells the model's logic from the machine's costs moving between the
+calibration and the replay (on a 2-core machine shared under a load of 10-30
+a worker's start moved from 33 s to 18-31 s between the two).
 
 The synthetic segment (generated in code, the trace's CSV format) runs
 everywhere; the real p3 trace's busiest segment runs when ``ELASTIC_FT_TRACE``
@@ -34,10 +38,16 @@ def check(result: dict, segment: list[tr.Change], out) -> None:  # type: ignore[
     assert len(result["done"]) == len(segment), result["done"]  # every change of the segment was played
     # The run trained after the segment's end, so its goodput covers every change's cost.
     assert result["attempts"] and result["attempts"][-1]["end"] * 1000 >= result["end_ms"], result["attempts"]
+    why = (f"\n{tr.table(result)}\nfactor {result['factor']:.2f}; calibrated costs: {result['costs']}\n"
+           f"the replay's own: {result['replay_costs']}\nattempts: {result['attempts']}\n"
+           f"model: {result['model_output']}")
+    # The model's logic: with the costs the replay itself showed it gives the goodput measured.
+    hindsight = 100 * (result["hindsight"]["goodput"] - result["measured"]["goodput"])
+    assert abs(hindsight) <= TOLERANCE_POINTS, f"with the replay's own costs the model differs by {hindsight:+.1f}{why}"
+    # The prediction (issue 27): with the costs measured just before.
     assert abs(result["points"]["goodput"]) <= TOLERANCE_POINTS, (
-        f"model and measurement differ by {result['points']['goodput']:+.1f} points\n{tr.table(result)}\n"
-        f"factor {result['factor']:.2f}; costs: {result['costs']}\nattempts: {result['attempts']}\n"
-        f"model: {result['model_output']}")
+        f"model and measurement differ by {result['points']['goodput']:+.1f} points (the costs moved since the "
+        f"calibration where the hindsight column agrees){why}")
 
 
 def test_synthetic_segment_goodput_agrees_with_the_model(etcd, tmp_path):
