@@ -283,7 +283,7 @@ def costs_of(events: list[dict], kills: list[float], joins: list[float], full: i
     """A run's costs in seconds, each as ``attribute`` would count it, from its events and the wall times its
     nodes were killed (``kills``) and started again (``joins``); medians where there are several:
 
-    - ``step_s``: the step at full world (``step_s_by_world``: at each world seen);
+    - ``step_s``: the step at full world, the mean (``step_s_by_world``: at each world seen);
     - ``commit_s``: training blocked per periodic save (a saved step's end to the next step's start);
     - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``);
     - ``first_start_s``: the run's start: the first agent's start -> the resume plan of its first world
@@ -297,14 +297,18 @@ def costs_of(events: list[dict], kills: list[float], joins: list[float], full: i
       the round with the new node, spawn); ``join_commit_s`` the commit on the way out, within it.
     """
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    saved = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
+    # A step's wall time as goodput counts it (the previous step's end to its end, the loop's own work between
+    # included; not after a save), the mean: a loaded machine's slow steps count, as they do in the run.
     by_world: dict[int, list[float]] = {}
-    world = 0
+    world, before = 0, None
     for e in events:
         if e["event"] == "start":
-            world = e["world"]
+            world, before = e["world"], None
         elif e["event"] == "step_done":
-            by_world.setdefault(world, []).append(float(e["seconds"]))
-    saved = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
+            if before is not None and before["step"] not in saved:
+                by_world.setdefault(world, []).append(float(e["ts"]) - float(before["ts"]))
+            before = e
     blocked, previous = [], None
     for e in events:
         if e["event"] == "start":
@@ -338,8 +342,8 @@ def costs_of(events: list[dict], kills: list[float], joins: list[float], full: i
     kill_restart = _median(kill_restarts)
     detect = recovery.detect if recovery is not None and recovery.detect is not None else 0.0
     return {
-        "step_s": statistics.median(by_world.get(full) or [s for v in by_world.values() for s in v]),
-        "step_s_by_world": {str(w): statistics.median(v) for w, v in sorted(by_world.items())},
+        "step_s": statistics.mean(by_world.get(full) or [s for v in by_world.values() for s in v] or [0.0]),
+        "step_s_by_world": {str(w): statistics.mean(v) for w, v in sorted(by_world.items())},
         "commit_s": _median(blocked), "upload_s": _median(uploads), "every_steps": every_steps,
         "first_start_s": first_plan - float(first.get("agent_start") or _process_start(first)),
         "load_s": _median(loads),
