@@ -26,7 +26,12 @@ import pytest
 
 from bench import trace_replay as tr
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.mark.etcd]
+# 3-8 minutes of a quiet machine's time each (a calibration, then the replay), and the prediction holds only
+# while the machine's costs hold still between the two: run by scripts/validate_goodput.sh, not in the
+# 25-minute suite (as the long chaos run, scripts/chaos.sh).
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.torchrun, pytest.mark.etcd,
+              pytest.mark.skipif("ELASTIC_FT_VALIDATE" not in os.environ,
+                                 reason="the goodput model's validation run: scripts/validate_goodput.sh")]
 pytest.importorskip("bench.goodput_sim", reason="the goodput model (bench/goodput_sim.py) is not in this tree")
 
 TOLERANCE_POINTS = 5.0
