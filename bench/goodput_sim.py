@@ -18,9 +18,11 @@ Today's product restarts every worker on any change of membership and
 resumes from the newest commit, so that is what is modelled; warm recovery
 (issue 26) would change ``load_s``, ``worker_start_s`` and the resume source.
 
-Simplifications, each optimistic or neutral: all nodes alike; a node
-arriving during a recovery joins that round at no extra cost; a node with a
-notice seen is left out of a round that forms before it goes. Cost: one
+A node arriving after the start boots (``join_boot_s``: its agent starts
+and joins the rendezvous) while the others train on; only then is it taken
+into a round. Simplifications, each optimistic or neutral: all nodes alike;
+a node booted during a recovery joins that round at no extra cost; a node
+with a notice seen is left out of a round that forms before it goes. Cost: one
 loop turn per step and per trace event.
 """
 
@@ -82,6 +84,8 @@ class Run:
                                    if e.kind == "remove" and e.notice_s > 0)
         self.k = 0  # the next notice to be seen
         self.up: dict[str, float] = {}  # node -> when it went up
+        self.booting: dict[str, float] = {}  # node arrived after the start -> when its agent has joined
+        self.started = False  # the first start's costs include the first nodes' agent start
         self.notices: dict[str, tuple[float, float]] = {}  # node -> (notice seen, removal)
         self.world: frozenset[str] = frozenset()
         self.step = self.committed = self.saved = self.committed_world = 0
@@ -132,9 +136,12 @@ class Run:
             e = self.trace[self.i]
             self.i += 1
             if e.kind == "add":
+                if e.node not in self.up and self.started:
+                    self.booting[e.node] = e.t + self.costs.join_boot_s
                 self.up.setdefault(e.node, e.t)
                 continue
             self.up.pop(e.node, None)
+            self.booting.pop(e.node, None)
             self.notices.pop(e.node, None)
             if e.node in self.world:
                 lost.append(e.node)
@@ -148,9 +155,15 @@ class Run:
             if node in self.up and gone > self.t:
                 self.notices.setdefault(node, (seen, gone))
 
+    def next_booted_t(self) -> float:
+        """When the next booting node's agent has joined (a node waits for a round from then on)."""
+        for node in [n for n, t in self.booting.items() if t <= self.t]:
+            del self.booting[node]
+        return min(self.booting.values(), default=math.inf)
+
     def eligible(self) -> list[str]:
-        """Nodes a new round would take: up, no notice seen, oldest first, at most ``max_nodes``."""
-        ready = [n for n in self.up if n not in self.notices]
+        """Nodes a new round would take: up, booted, no notice seen, oldest first, at most ``max_nodes``."""
+        ready = [n for n in self.up if n not in self.notices and self.booting.get(n, 0.0) <= self.t]
         return sorted(ready, key=lambda n: (self.up[n], n))[: self.max_nodes]
 
     # ------------------------------------------------------------------------------------------- phases
@@ -187,13 +200,13 @@ class Run:
         while self.t < self.end:
             self.world = frozenset()
             while len(self.eligible()) < self.min_nodes and self.t < self.end:
-                self.advance(self.next_event_t(), "restart")
+                self.advance(min(self.next_event_t(), self.next_booted_t()), "restart")
                 self.apply_events()
             self.world = frozenset(self.eligible())  # the forming round
             if self.t >= self.end:
                 return
             if kind == "start":
-                segments, reason = [("restart", c.initial_start_s)], "first start"
+                segments, reason = [("restart", c.initial_restart_s), ("loading", c.initial_load_s)], "first start"
             else:
                 reason = self.resume()
                 segments = [("restart", c.detect_s + c.rendezvous_s), ("loading", c.worker_start_s + c.load_s)]
@@ -225,6 +238,7 @@ class Run:
 
     def run(self) -> Result:
         self.apply_events()
+        self.started = True
         self.start_world("start")
         while self.t < self.end:
             self.cruise()
@@ -240,7 +254,8 @@ class Run:
         if (self.notices and not self.world.isdisjoint(self.notices)) or self._may_join():
             return
         d = self.step_s(len(self.world))
-        horizon = min(self.next_event_t(), self.end, self.upload[1] if self.upload else math.inf,
+        horizon = min(self.next_event_t(), self.next_booted_t(), self.end,
+                      self.upload[1] if self.upload else math.inf,
                       self.notice_queue[self.k][0] if self.k < len(self.notice_queue) else math.inf)
         t, step, due = self.t, self.step, False
         while not due and t + d < horizon:

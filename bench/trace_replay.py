@@ -288,6 +288,7 @@ def costs_of(events: list[dict], kills: list[float], joins: list[float], full: i
     - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``);
     - ``first_start_s``: the run's start: the first agent's start -> the resume plan of its first world
       (agents' imports, the first rendezvous, workers' start and load, the run's token store built);
+      ``first_restart_s`` its part to the first worker's start, ``first_load_s`` the rest (as ``attribute``);
     - ``load_s``: a restarted worker's start to its resume plan (imports, model, process group, checkpoint);
     - ``kill_restart_s``: a SIGKILL -> the new world's worker start; ``detect_s`` and ``rendezvous_s`` its
       parts from ``recovery`` (bench/recovery.py's, of the survivor's agent log) where given;
@@ -346,6 +347,8 @@ def costs_of(events: list[dict], kills: list[float], joins: list[float], full: i
         "step_s_by_world": {str(w): statistics.mean(v) for w, v in sorted(by_world.items())},
         "commit_s": _median(blocked), "upload_s": _median(uploads), "every_steps": every_steps,
         "first_start_s": first_plan - float(first.get("agent_start") or _process_start(first)),
+        "first_restart_s": _process_start(first) - float(first.get("agent_start") or _process_start(first)),
+        "first_load_s": first_plan - _process_start(first),
         "load_s": _median(loads),
         "kill_restart_s": kill_restart, "detect_s": min(detect, kill_restart),
         "rendezvous_s": kill_restart - min(detect, kill_restart),
@@ -452,7 +455,8 @@ def model_costs(measured: dict, nodes: int) -> dict:
         "detect_s": min(measured["detect_s"], kill), "rendezvous_s": kill - min(measured["detect_s"], kill),
         "worker_start_s": measured["load_s"], "load_s": 0.0,
         "join_rendezvous_s": max(0.0, measured["join_restart_s"] - measured["join_commit_s"]),
-        "join_fetch_s": 0.0, "initial_start_s": measured["first_start_s"],
+        "join_fetch_s": 0.0, "join_boot_s": measured["join_boot_s"],
+        "initial_restart_s": measured["first_restart_s"], "initial_load_s": measured["first_load_s"],
     }
 
 

@@ -30,7 +30,7 @@ BENCH_GOODPUT = 0.534
 def _costs(**changes) -> goodput_costs.Costs:
     """A table with round numbers: 4 ranks x 8 samples of a 32-sample batch = one 1 s micro-batch a step."""
     base = dict(micro_step_s=1.0, step_sync_s=0.0, ckpt_block_s=0.0, ckpt_upload_s=0.0, commit_sync_s=0.0,
-                initial_start_s=0.0, every_steps=10, global_batch=32, micro_batch=8, gpus_per_node=1)
+                initial_restart_s=0.0, initial_load_s=0.0, join_boot_s=0.0, every_steps=10, global_batch=32, micro_batch=8, gpus_per_node=1)
     return goodput_costs.CPU.replace(**{**base, **changes})
 
 
@@ -63,7 +63,7 @@ def test_the_model_calls_the_products_own_functions(monkeypatch):
 
 @pytest.mark.parametrize("every,block,start", [(10, 0.5, 0.0), (7, 2.0, 5.0), (1, 0.25, 3.0)])
 def test_no_removal_gives_the_no_failure_goodput(every, block, start):
-    costs = _costs(every_steps=every, ckpt_block_s=block, initial_start_s=start, micro_step_s=0.3)
+    costs = _costs(every_steps=every, ckpt_block_s=block, initial_restart_s=start, micro_step_s=0.3)
     step = 0.3 * 1  # 32 samples over 4 ranks = 8 each = one micro-batch of 8
     cycles = 40
     end = start + cycles * (every * step + block)
@@ -74,6 +74,28 @@ def test_no_removal_gives_the_no_failure_goodput(every, block, start):
     assert r.seconds["redone"] == 0 and r.seconds["restart"] == pytest.approx(start)
     assert sum(r.seconds.values()) == pytest.approx(r.wall)
     assert r.kept_steps == cycles * every
+
+
+def test_the_first_start_is_restart_to_the_workers_start_then_loading_as_elastic_ft_goodput_counts_it():
+    # goodput's _walk: agent start -> the worker's start is restart, the worker's start -> its resume plan loading
+    r = goodput_sim.simulate(_nodes(4), _costs(initial_restart_s=4.0, initial_load_s=6.0), end=30.0)
+    assert r.seconds["restart"] == pytest.approx(4.0) and r.seconds["loading"] == pytest.approx(6.0)
+    assert r.seconds["kept"] == pytest.approx(20.0)
+    assert next(x for x in r.recoveries if x["kind"] == "start")["seconds"] == pytest.approx(10.0)
+
+
+def test_an_arriving_node_boots_while_the_others_train_then_joins():
+    # 3 ranks: 11 samples on the slowest = 2 micro-batches = 2 s steps. n3 starts at 10 s; its agent joins at 15 s,
+    # so the world trains on to the boundary at 16 s (step 8), then restarts with it.
+    costs = _costs(join_boot_s=5.0)
+    r = goodput_sim.simulate(_nodes(3) + [NodeEvent(10.0, "add", "n3")], costs, end=40.0)
+    join = next(x for x in r.recoveries if x["kind"] == "join")
+    assert join["t"] == pytest.approx(16.0) and join["world"] == 4
+    assert r.seconds["restart"] == pytest.approx(costs.join_rendezvous_s)
+    # a node gone before its agent joined never enters a round: nothing to commit, restart or redo
+    r = goodput_sim.simulate(_nodes(3) + [NodeEvent(10.0, "add", "n3"), NodeEvent(13.0, "remove", "n3")],
+                             costs, end=40.0)
+    assert [x["kind"] for x in r.recoveries] == ["start"] and r.goodput == pytest.approx(1.0)
 
 
 def test_an_unannounced_loss_redoes_the_steps_since_the_last_commit():
@@ -110,7 +132,7 @@ def bench_trace() -> tuple[list[NodeEvent], float]:
     after the first step), each node started again once the others train again (its replacement a second after
     the bench saw their first step); stopped 180 s after the first step."""
     c = goodput_costs.CPU
-    s0 = c.initial_start_s
+    s0 = c.initial_restart_s + c.initial_load_s
     back = [9.2, 15.8, 15.4]  # event -> first step of the new world, bench/preemption.py (issue 26)
     trace = _nodes(3)
     for k, (notice, victim) in enumerate([(120.0, "n0"), (0.0, "n1"), (0.0, "n2")]):

@@ -86,3 +86,21 @@ def test_the_compression_leaves_room_for_the_start_and_for_a_restart_between_cha
     slow_restart = {**idle, "load_s": 40.0}  # 120 / (5 + 40 + 5 + 0.6)
     assert tr.fitting_factor(seg, slow_restart, 6.0) == pytest.approx(120 / 50.6)
     assert tr.fitting_factor(seg, {**idle, "first_start_s": 1000.0}, 6.0) == 1.0
+
+
+def test_the_models_costs_split_the_first_start_and_boot_a_joining_node_as_measured():
+    # the first agent at 100 s, its worker at 103 s, the worker's resume plan at 110 s (goodput: 3 s restart, 7 s
+    # loading); a node started again at 200 s whose agent joined as the survivors ended step 20 at 206.5 s
+    events = [{"event": "start", "ts": 103.5, "world": 1, "agent_start": 100.0, "process_start": 103.0},
+              {"event": "resume_plan", "ts": 110.0}] + \
+             [{"event": "step_done", "step": s, "ts": 110.0 + 5 * s / 16, "seconds": 0.3} for s in range(1, 21)] + \
+             [{"event": "preempted", "ts": 207.0},
+              {"event": "start", "ts": 212.5, "world": 2, "process_start": 212.0},
+              {"event": "resume_plan", "ts": 219.0}]
+    events[-4]["ts"] = 206.5
+    measured = tr.costs_of(events, kills=[], joins=[200.0], full=2, every_steps=10)
+    assert measured["first_restart_s"] == pytest.approx(3.0) and measured["first_load_s"] == pytest.approx(7.0)
+    assert measured["join_boot_s"] == pytest.approx(6.5)
+    fields = tr.model_costs(measured, 2)
+    assert fields["initial_restart_s"] == pytest.approx(3.0) and fields["initial_load_s"] == pytest.approx(7.0)
+    assert fields["join_boot_s"] == pytest.approx(6.5)
