@@ -26,14 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, RendezvousSettings
 
 from .etcd import Outage
 # torch's state holder is the only place that reads and writes the state for every
 # node operation, and torch offers no public holder or hook to subclass: the adapter's.
-from .torch_internals import RendezvousState, StateHolder
+from .leased_heartbeats import LeasedHeartbeatHolder
+from .torch_internals import RendezvousState
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def lost_running_state(previous: RendezvousState, key_exists: bool) -> bool:
     )
 
 
-class OutageTolerantStateHolder(StateHolder):
+class OutageTolerantStateHolder(LeasedHeartbeatHolder):
     """torch's state holder that drops no node right after an outage and repairs a lost state.
 
     It relies on torch's private holder through the adapter
@@ -91,6 +92,8 @@ class OutageTolerantStateHolder(StateHolder):
         settings: torch's rendezvous settings.
         outages: returns the latest etcd outage that has ended (the client's
             ``last_outage``), or ``None``.
+        node: this node's descriptor: its heartbeats are lease refreshes
+            (:class:`~elastic_ft.rendezvous.leased_heartbeats.LeasedHeartbeatHolder`).
     """
 
     def __init__(
@@ -98,8 +101,9 @@ class OutageTolerantStateHolder(StateHolder):
         backend: RendezvousBackend,
         settings: RendezvousSettings,
         outages: Callable[[], Outage | None],
+        node: Any = None,
     ) -> None:
-        super().__init__(backend, settings)
+        super().__init__(backend, settings, node)
         self.settings = settings  # our own reference, not torch's private _settings
         self._outages = outages
 
