@@ -8,8 +8,9 @@ wrote, and a loser always gets the winner's state to merge with.
 
 The key is attached to the writing client's lease (see
 :class:`~elastic_ft.rendezvous.etcd.EtcdClient`): it lives while agents
-keep writing heartbeats and expires ``lease_ttl`` seconds after the last one, so
-abandoned runs do not pile up in etcd.
+keep sending heartbeats (each keeps that lease alive, whoever wrote last) and
+expires ``lease_ttl`` seconds after the last one, so abandoned runs do not
+pile up in etcd.
 
 With liveness keys (:meth:`EtcdV3RendezvousBackend.use_liveness_keys`, which
 the handler calls; torch's contract tests use the backend without), every read
@@ -175,7 +176,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         may be gone: live nodes keep that lease alive (once a quarter of its
         TTL), as their writes of the state did before heartbeats were leases.
         """
-        assert self._liveness is not None and self._alive_prefix is not None
+        assert self._liveness is not None
         try:
             self._liveness.refresh()
             now = time.monotonic()
@@ -184,8 +185,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 self._state_lease_kept = now
         except EtcdClientError as exc:
             raise connection_error(exc) from exc
-        own = self._liveness.key[len(self._alive_prefix):]
-        self.alive = (self.alive or frozenset()) | {own}
 
     def _decode(self, current: KeyValue) -> bytes:
         return self.codec.decode(current.value)

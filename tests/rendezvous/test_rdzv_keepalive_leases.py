@@ -159,3 +159,20 @@ def test_an_etcd_that_stops_answering_loses_no_node(tmp_path, run_id, pause_s):
     finally:
         close_all(handlers)
         server.stop()
+
+
+def test_the_state_key_outlives_its_lease_ttl_while_nodes_send_keep_alives(etcd, run_id):
+    """The state key lives on the lease of its last writer; with no more writes in a steady state,
+    the nodes' keep-alives keep that lease alive: the key is neither lost nor written back."""
+    ttl = 4
+    handlers = make_handlers(etcd.endpoint, run_id, 2, lease_ttl=str(ttl))
+    try:
+        form_round(handlers)
+        before = state_revision(etcd.endpoint, run_id)
+        end = time.monotonic() + 3 * ttl
+        while time.monotonic() < end:  # the window is the measurement: three of the state lease's TTLs
+            assert state_revision(etcd.endpoint, run_id) == before  # (fails if the key is gone)
+            assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
+            time.sleep(0.5)
+    finally:
+        close_all(handlers)
