@@ -336,7 +336,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .agent_rounds import rejoin_after_loss
     from .backend import EtcdV3RendezvousBackend, connection_error
     from .etcd import EtcdClient, EtcdClientError
-    from .leased_heartbeats import ALIVE_DIR, alive_name, lease_ttl
+    from .leased_heartbeats import liveness_lease
     from .options import parse_options
     from .outage import OutageTolerantStateHolder
     from .store import EtcdStore
@@ -361,12 +361,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix, secret=options.state_secret)
     log.log(*backend.codec.protection(params.run_id))  # one line per agent; WARNING without a key
     store = EtcdStore(client, run_prefix + "store/")
-    timeout = RendezvousTimeout(
-        join=options.join_timeout,
-        last_call=options.last_call_timeout,
-        close=options.close_timeout,
-        heartbeat=options.heartbeat_timeout,
-    )
+    timeout = RendezvousTimeout(join=options.join_timeout, last_call=options.last_call_timeout,
+                                close=options.close_timeout, heartbeat=options.heartbeat_timeout)
     handler = EtcdRendezvousHandler.from_backend(
         run_id=params.run_id,
         store=store,
@@ -385,11 +381,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # from_backend takes no holder, and the constructor that does needs torch's
     # private node descriptor (_NodeDesc), which from_backend generates.
     # Keep-alives are refreshes of a lease per node, not writes of the shared state (leased_heartbeats).
-    node = this_node(handler)
-    backend.use_liveness_keys(
-        client.key_lease(run_prefix + ALIVE_DIR + alive_name(node), lease_ttl(handler.settings)), run_prefix + ALIVE_DIR
-    )
-    holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage, node)
+    backend.use_liveness_keys(*liveness_lease(client, run_prefix, this_node(handler), handler.settings))
+    holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage, this_node(handler))
     install_state_holder(handler, holder)
     wrap_op_executor(handler, EarlyCloseExecutor)
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.

@@ -76,6 +76,13 @@ def lease_ttl(settings: RendezvousSettings) -> int:
     return max(1, int(-(-expiry // 1)))
 
 
+def liveness_lease(client: Any, run_prefix: str, node: Any, settings: RendezvousSettings) -> tuple[Any, str]:
+    """``node``'s liveness lease on ``client`` (an :class:`~elastic_ft.rendezvous.etcd.EtcdClient`) and the
+    prefix of the run's liveness keys: what the backend's ``use_liveness_keys`` takes."""
+    prefix = run_prefix + ALIVE_DIR
+    return client.key_lease(prefix + alive_name(node), lease_ttl(settings)), prefix
+
+
 @dataclass
 class Overlay:
     """What :func:`overlay_heartbeats` changed in a state's heartbeats."""
