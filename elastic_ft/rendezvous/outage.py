@@ -2,7 +2,8 @@
 
 While workers are healthy, torch's agent asks the handler for
 ``num_nodes_waiting()`` every monitor interval, and a keep-alive thread
-writes this node's heartbeat into the rendezvous state. When etcd is away for
+refreshes this node's heartbeat (its liveness lease, see
+:mod:`~elastic_ft.rendezvous.leased_heartbeats`). When etcd is away for
 longer than the client's ``retry_timeout`` both fail; torch lets the first
 kill the agent and its healthy workers. What must hold instead:
 
@@ -14,7 +15,8 @@ kill the agent and its healthy workers. What must hold instead:
   would send a heartbeat again (a node only refreshes a heartbeat the state
   still holds): a node joining later would then start a world of its own.
   :func:`heartbeats_may_expire` holds off dropping nodes for a while after
-  etcd answers, time for each to write a heartbeat again.
+  etcd answers, time for each to send a heartbeat again (and to put back its
+  liveness key, if etcd expired the leases while the clients could not reach it).
 * If etcd lost its data (restarted on an empty data directory), the state key
   is gone while the job trains: the first node to notice writes back the state
   it last read (only if the key is still absent), with a new lease, so the
