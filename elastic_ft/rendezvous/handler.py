@@ -33,6 +33,7 @@ from ..handoff.leave_marker import (
 )
 from ..handoff.lost_nodes import LOST_NODES_ENV
 from .agent_faults import hold_at
+from .leased_heartbeats import release_liveness
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen
 from .liveness import LossDetection
 from .spot_leave import EarlyCloseExecutor, NodeLeft, hand_leave_file, peers_leave, staying_members
@@ -262,6 +263,7 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
                 done = True
             return self._leave() and done
         finally:
+            release_liveness(state_holder(self))  # the others need not wait for its lease to expire
             if self.etcd_client is not None:
                 self.etcd_client.close()
 
@@ -334,6 +336,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .agent_rounds import rejoin_after_loss
     from .backend import EtcdV3RendezvousBackend, connection_error
     from .etcd import EtcdClient, EtcdClientError
+    from .leased_heartbeats import liveness_lease
     from .options import parse_options
     from .outage import OutageTolerantStateHolder
     from .store import EtcdStore
@@ -358,12 +361,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend = EtcdV3RendezvousBackend(client, params.run_id, run_prefix, secret=options.state_secret)
     log.log(*backend.codec.protection(params.run_id))  # one line per agent; WARNING without a key
     store = EtcdStore(client, run_prefix + "store/")
-    timeout = RendezvousTimeout(
-        join=options.join_timeout,
-        last_call=options.last_call_timeout,
-        close=options.close_timeout,
-        heartbeat=options.heartbeat_timeout,
-    )
+    timeout = RendezvousTimeout(join=options.join_timeout, last_call=options.last_call_timeout,
+                                close=options.close_timeout, heartbeat=options.heartbeat_timeout)
     handler = EtcdRendezvousHandler.from_backend(
         run_id=params.run_id,
         store=store,
@@ -381,7 +380,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # rides out etcd outages. The op executor holds it too. Private attributes:
     # from_backend takes no holder, and the constructor that does needs torch's
     # private node descriptor (_NodeDesc), which from_backend generates.
-    holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage)
+    # Keep-alives are refreshes of a lease per node, not writes of the shared state (leased_heartbeats).
+    backend.use_liveness_keys(*liveness_lease(client, run_prefix, this_node(handler), handler.settings))
+    holder = OutageTolerantStateHolder(backend, handler.settings, lambda: client.last_outage, this_node(handler))
     install_state_holder(handler, holder)
     wrap_op_executor(handler, EarlyCloseExecutor)
     # A wait for a lost node's keys ends within a heartbeat of the node going stale.

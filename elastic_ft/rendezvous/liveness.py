@@ -84,10 +84,21 @@ class LossDetection:
         """
         if self._joined is None:
             return 0
-        beats = state_holder(self).state.last_heartbeats
+        holder = state_holder(self)
+        beats = holder.state.last_heartbeats
+        # A member whose liveness lease expired (leased_heartbeats) was last seen at its stored
+        # heartbeat, or at least its lease's TTL ago, not at the reads that still found its key:
+        # it is not "restarting" (a restarting node keeps its lease).
+        lapsed = getattr(holder, "lapsed", {})
+        gone = getattr(holder, "lease_gone", lambda node: False)
+        liveness, now = self._liveness(), datetime.now(timezone.utc)
         for member in self._joined[1]:
-            if member in beats:
+            if member in lapsed:
+                self._last_seen[member] = lapsed[member]
+            elif member in beats:
                 self._last_seen[member] = max(beats[member], self._last_seen.get(member, beats[member]))
+            elif liveness is not None and gone(member):
+                self._last_seen[member] = min(self._last_seen.get(member, now), now - liveness)
         reason = self._lost_reason(self._last_seen)
         if reason is None:
             return 0

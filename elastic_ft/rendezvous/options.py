@@ -75,8 +75,9 @@ class EtcdRendezvousOptions:
     # a node later than that joins the running job as any new node does). After a leave on a spot
     # notice the survivors know who comes, and the round closes once they are all in
     # (elastic_ft.rendezvous.spot_leave).
-    # A heartbeat every 2 s is one compare-and-set of the state key per node,
-    # cheap for etcd; three missed in a row still ride out a loaded host.
+    # A heartbeat every 2 s is one lease keep-alive per node (no write of the
+    # state: elastic_ft.rendezvous.leased_heartbeats), cheap for etcd; three
+    # missed in a row still ride out a loaded host.
     # join_timeout keeps torch's 600 s: how long a lone node waits for
     # min_nodes, where spot capacity may take minutes to come back.
     join_timeout: timedelta | None = None

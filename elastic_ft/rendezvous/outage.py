@@ -2,7 +2,8 @@
 
 While workers are healthy, torch's agent asks the handler for
 ``num_nodes_waiting()`` every monitor interval, and a keep-alive thread
-writes this node's heartbeat into the rendezvous state. When etcd is away for
+refreshes this node's heartbeat (its liveness lease, see
+:mod:`~elastic_ft.rendezvous.leased_heartbeats`). When etcd is away for
 longer than the client's ``retry_timeout`` both fail; torch lets the first
 kill the agent and its healthy workers. What must hold instead:
 
@@ -14,7 +15,8 @@ kill the agent and its healthy workers. What must hold instead:
   would send a heartbeat again (a node only refreshes a heartbeat the state
   still holds): a node joining later would then start a world of its own.
   :func:`heartbeats_may_expire` holds off dropping nodes for a while after
-  etcd answers, time for each to write a heartbeat again.
+  etcd answers, time for each to send a heartbeat again (and to put back its
+  liveness key, if etcd expired the leases while the clients could not reach it).
 * If etcd lost its data (restarted on an empty data directory), the state key
   is gone while the job trains: the first node to notice writes back the state
   it last read (only if the key is still absent), with a new lease, so the
@@ -26,14 +28,15 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, RendezvousSettings
 
 from .etcd import Outage
 # torch's state holder is the only place that reads and writes the state for every
 # node operation, and torch offers no public holder or hook to subclass: the adapter's.
-from .torch_internals import RendezvousState, StateHolder
+from .leased_heartbeats import LeasedHeartbeatHolder
+from .torch_internals import RendezvousState
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def lost_running_state(previous: RendezvousState, key_exists: bool) -> bool:
     )
 
 
-class OutageTolerantStateHolder(StateHolder):
+class OutageTolerantStateHolder(LeasedHeartbeatHolder):
     """torch's state holder that drops no node right after an outage and repairs a lost state.
 
     It relies on torch's private holder through the adapter
@@ -91,6 +94,8 @@ class OutageTolerantStateHolder(StateHolder):
         settings: torch's rendezvous settings.
         outages: returns the latest etcd outage that has ended (the client's
             ``last_outage``), or ``None``.
+        node: this node's descriptor: its heartbeats are lease refreshes
+            (:class:`~elastic_ft.rendezvous.leased_heartbeats.LeasedHeartbeatHolder`).
     """
 
     def __init__(
@@ -98,8 +103,9 @@ class OutageTolerantStateHolder(StateHolder):
         backend: RendezvousBackend,
         settings: RendezvousSettings,
         outages: Callable[[], Outage | None],
+        node: Any = None,
     ) -> None:
-        super().__init__(backend, settings)
+        super().__init__(backend, settings, node)
         self.settings = settings  # our own reference, not torch's private _settings
         self._outages = outages
 

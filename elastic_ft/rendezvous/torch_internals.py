@@ -10,7 +10,7 @@ through this module only, under a public name of ours:
 - classes: :data:`Action`, :data:`RendezvousContext`, :data:`RendezvousState`,
   :data:`RendezvousJoinOp`, and :class:`StateHolder` (torch's
   ``_BackendRendezvousStateHolder`` with named hooks instead of ``_sanitize``,
-  ``_state`` and ``_token``);
+  ``_state``, ``_token`` and ``_dirty``);
 - a handler's private attributes: :func:`state_holder`, :func:`heartbeat_lock`,
   :func:`this_node`, :func:`op_executor`, :func:`stop_heartbeats`,
   :func:`install_state_holder`, :func:`wrap_op_executor`;
@@ -55,7 +55,7 @@ _SIGNATURES = {
 # Private attributes read on instances: the constructor that must still assign each.
 _ASSIGNED = {
     "DynamicRendezvousHandler": ("_this_node", "_state_holder", "_op_executor", "_heartbeat_lock"),
-    "_BackendRendezvousStateHolder": ("_state", "_token"),
+    "_BackendRendezvousStateHolder": ("_state", "_token", "_dirty"),
     "_DistributedRendezvousOpExecutor": ("_state_holder",),
     "_RendezvousContext": ("node", "state", "settings"),
     "_RendezvousState": ("round", "complete", "deadline", "closed", "participants", "wait_list",
@@ -168,12 +168,21 @@ class StateHolder(_dr._BackendRendezvousStateHolder):
         """Make ``state`` the state held (the ``state`` property has no setter); mark it dirty to write it."""
         self._state = state
 
+    def dirty(self) -> bool:
+        """Whether the state held has changes the next sync writes (torch's ``mark_dirty`` since the last sync)."""
+        return self._dirty
+
     def may_drop_stale_nodes(self) -> bool:
         """Whether torch may drop nodes with stale heartbeats at this sync (default: always)."""
         return True
 
+    def on_synced(self) -> None:
+        """Called by every sync that read or wrote the state, once it is loaded, before stale nodes are
+        dropped (default: nothing)."""
+
     def _sanitize(self) -> None:
         # torch's hook at every sync: it drops nodes whose heartbeat is older than the keep-alive expiry.
+        self.on_synced()
         if self.may_drop_stale_nodes():
             super()._sanitize()
 

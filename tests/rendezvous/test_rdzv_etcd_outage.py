@@ -18,11 +18,12 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from agents import read_jsonl, rendezvous_state_of, stop_leftovers, torchrun_agent, wait_for
+from agents import read_jsonl, stop_leftovers, torchrun_agent, wait_for
 from etcd_server import EtcdServer
 from test_rdzv_multinode import assert_ran_every_step
 
 from elastic_ft.rendezvous.handler import create_handler
+from elastic_ft.rendezvous.torch_internals import state_holder
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun, pytest.mark.etcd]
 
@@ -41,14 +42,18 @@ CONF = f"last_call_timeout=2,join_timeout=120,keep_alive_interval=1,retry_timeou
 
 
 def heartbeat_ages(endpoint: str, run_id: str) -> dict[str, float] | str:
-    """Seconds since each participant's last heartbeat in etcd's rendezvous state,
-    read as an agent reads it; or why there are none."""
+    """Seconds since each participant's last heartbeat in etcd (the rendezvous state and the
+    nodes' liveness keys), read as an agent reads it; or why there are none."""
     handler = None
     try:
         handler = create_handler(
             RendezvousParameters("etcd3", endpoint, run_id, 1, 2, retry_timeout="2")
         )
-        state = rendezvous_state_of(handler._state_holder._backend)
+        # A heartbeat is a node's liveness lease (leased_heartbeats): read through the handler's
+        # state holder, which overlays the liveness keys on the state (and drops expired nodes).
+        holder = state_holder(handler)
+        holder.sync()
+        state = holder.state if holder.key_found() else None
     except RendezvousConnectionError as exc:
         return f"etcd did not answer: {exc}"
     finally:

@@ -8,7 +8,8 @@
 - ``failover``: moving between members, bounded retries, the record of outages.
 - ``kv``: reads, writes, the compare-and-put transaction, prefix ranges.
 - ``watch``: waiting for keys to appear (one read and one watch for many keys).
-- ``lease``: the lease every written key is attached to.
+- ``lease``: the lease every written key is attached to, and one-key leases kept alive
+  without writes (the nodes' liveness keys).
 - ``client``: :class:`EtcdClient`, the interface the rest of the package uses.
 
 grpcio is imported only when a client first connects.

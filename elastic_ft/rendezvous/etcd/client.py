@@ -15,7 +15,7 @@ from typing import Sequence
 from . import kv, watch, wire
 from .failover import Failover, Outage
 from .kv import KeyValue
-from .lease import Lease
+from .lease import KeyLease, Lease
 from .settings import ConnectionSettings, Endpoint
 
 
@@ -113,6 +113,20 @@ class EtcdClient:
             "compare-and-put", lambda s, lease_id: kv.compare_and_put(s, key, value, mod_revision, lease_id)
         )
 
+    def get_with_keys_under(self, key: str, prefix: str) -> tuple[KeyValue | None, list[str]]:
+        """Read ``key`` and list the keys under ``prefix`` (no values) in one transaction."""
+        return self._failover.call("get", lambda s: kv.get_with_keys(s, key, prefix))
+
+    def compare_and_put_listing(
+        self, key: str, value: bytes, mod_revision: int | None, prefix: str
+    ) -> tuple[bool, KeyValue | None, list[str] | None]:
+        """:meth:`compare_and_put` that, when the compare fails, also lists the keys under
+        ``prefix`` in the same transaction (third item; ``None`` when the put happened)."""
+        return self._lease.call(
+            "compare-and-put",
+            lambda s, lease_id: kv.compare_and_put_listing(s, key, value, mod_revision, lease_id, prefix),
+        )
+
     def delete(self, key: str) -> bool:
         """Delete ``key``; returns whether it existed."""
         return self._failover.call("delete", lambda s: kv.delete(s, key))
@@ -149,6 +163,20 @@ class EtcdClient:
     def lease_remaining_ttl(self, lease_id: int) -> int:
         """Seconds left on ``lease_id``; -1 if it does not exist (expired or revoked)."""
         return self._lease.remaining_ttl(lease_id)
+
+    def keep_lease_alive(self, lease_id: int) -> int:
+        """Refresh ``lease_id`` (any client's) once; its TTL now, 0 or less if it is gone."""
+        request = wire.message("LeaseKeepAliveRequest", ID=lease_id)
+
+        def call(session):  # type: ignore[no-untyped-def]
+            responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
+            return int(responses[-1].TTL) if responses else 0
+
+        return self._failover.call("lease keep-alive", call)
+
+    def key_lease(self, key: str, ttl: int) -> KeyLease:
+        """A lease of its own for ``key`` with ``ttl`` seconds: the key exists while it is refreshed."""
+        return KeyLease(self._failover, key, ttl)
 
     def revoke_lease(self) -> None:
         """Revoke this client's lease now, deleting every key attached to it."""

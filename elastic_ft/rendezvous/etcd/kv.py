@@ -18,6 +18,8 @@ class KeyValue:
 
     value: bytes
     mod_revision: int
+    lease: int = 0
+    """The lease the key is attached to (0: none)."""
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -49,7 +51,7 @@ def _put_op(key: str, value: bytes, lease_id: int | None) -> Any:
 
 
 def _first(kvs: Sequence[Any]) -> KeyValue | None:
-    return KeyValue(kvs[0].value, kvs[0].mod_revision) if kvs else None
+    return KeyValue(kvs[0].value, kvs[0].mod_revision, int(kvs[0].lease)) if kvs else None
 
 
 def get(session: Any, key: str) -> tuple[KeyValue | None, int]:
@@ -66,6 +68,18 @@ def get_many(session: Any, keys: Sequence[str]) -> tuple[list[KeyValue | None], 
     return [_first(op.response_range.kvs) for op in response.responses], response.header.revision
 
 
+def get_with_keys(session: Any, key: str, prefix: str) -> tuple[KeyValue | None, list[str]]:
+    """``key``'s value (or ``None``) and the keys under ``prefix`` (values not read), in one transaction."""
+    ops = [wire.message("RequestOp", request_range=_range(key)),
+           wire.message("RequestOp", request_range=_prefix_range(prefix, keys_only=True))]
+    response = session.call(wire.TXN, wire.message("TxnRequest", success=ops))
+    return _first(response.responses[0].response_range.kvs), _keys(response.responses[1].response_range)
+
+
+def _keys(response_range: Any) -> list[str]:
+    return [kv.key.decode() for kv in response_range.kvs]
+
+
 def put_many(session: Any, items: Sequence[tuple[str, bytes]], lease_id: int | None) -> None:
     """Several keys written in one transaction, attached to ``lease_id`` if given."""
     ops = [_put_op(k, v, lease_id) for k, v in items]
@@ -80,6 +94,15 @@ def compare_and_put(
     One transaction: compare, then put on success or read on failure. Returns
     whether the put happened and the key's value now (``None`` if absent).
     """
+    written, current, _ = compare_and_put_listing(session, key, value, mod_revision, lease_id, None)
+    return written, current
+
+
+def compare_and_put_listing(
+    session: Any, key: str, value: bytes, mod_revision: int | None, lease_id: int, prefix: str | None
+) -> tuple[bool, KeyValue | None, list[str] | None]:
+    """:func:`compare_and_put`, which on failure also lists the keys under ``prefix`` (if given)
+    in the same transaction: the third item (``None`` on success or without ``prefix``)."""
     if mod_revision is None:
         compare = wire.message(
             "Compare", result=wire.COMPARE_EQUAL, target=wire.TARGET_CREATE, key=key.encode(), create_revision=0
@@ -92,14 +115,16 @@ def compare_and_put(
         "TxnRequest",
         compare=[compare],
         success=[_put_op(key, value, lease_id)],
-        failure=[wire.message("RequestOp", request_range=_range(key))],
+        failure=[wire.message("RequestOp", request_range=_range(key))]
+        + ([] if prefix is None else [wire.message("RequestOp", request_range=_prefix_range(prefix, keys_only=True))]),
     )
     response = session.call(wire.TXN, request)
     if response.succeeded:
         # The put's revision is the transaction's: no need to read back the
         # value we just wrote (it is the biggest part of the reply).
-        return True, KeyValue(value, response.header.revision)
-    return False, _first(response.responses[0].response_range.kvs)
+        return True, KeyValue(value, response.header.revision, lease_id), None
+    listed = None if prefix is None else _keys(response.responses[1].response_range)
+    return False, _first(response.responses[0].response_range.kvs), listed
 
 
 def delete(session: Any, key: str) -> bool:
@@ -122,5 +147,4 @@ def count_prefix(session: Any, prefix: str) -> int:
 
 def keys_under(session: Any, prefix: str) -> list[str]:
     """The keys under ``prefix`` in byte order (values not read)."""
-    response = session.call(wire.RANGE, _prefix_range(prefix, keys_only=True))
-    return [kv.key.decode() for kv in response.kvs]
+    return _keys(session.call(wire.RANGE, _prefix_range(prefix, keys_only=True)))

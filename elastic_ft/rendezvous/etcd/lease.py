@@ -84,3 +84,52 @@ class Lease:
         if lease_id is not None:
             request = wire.message("LeaseRevokeRequest", ID=lease_id)
             self._failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
+
+
+class KeyLease:
+    """One key that exists while its holder refreshes it: a short lease of its own, kept alive
+    by :meth:`refresh` (one LeaseKeepAlive: no write, no new etcd revision).
+
+    The first refresh grants the lease and puts the key on it (one write); so does a refresh
+    that finds the lease gone (expired, revoked, or etcd lost its data). Every call goes
+    through the failover layer's bounded retries.
+
+    Args:
+        failover: the client's connection.
+        key: the key kept alive.
+        ttl: the lease's time to live, in seconds (etcd may raise it to its minimum).
+    """
+
+    def __init__(self, failover: Failover, key: str, ttl: int) -> None:
+        if ttl < 1:
+            raise ValueError(f"The lease TTL of {key!r} ({ttl} s) must be at least 1 s.")
+        self._failover = failover
+        self.key = key
+        self.ttl = ttl
+        self._id: int | None = None
+
+    def refresh(self) -> None:
+        """Keep the key alive for another ``ttl`` seconds, (re)creating it if its lease is gone."""
+        self._failover.call("lease keep-alive", self._refresh)
+
+    def _refresh(self, session: Any) -> None:
+        from .kv import put_many
+
+        lease_id = self._id
+        if lease_id is not None:
+            request = wire.message("LeaseKeepAliveRequest", ID=lease_id)
+            responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
+            if responses and responses[-1].TTL > 0:
+                return
+            log.info("The etcd lease of %s is gone (expired or etcd lost it); granting a new one.", self.key)
+        response = session.call(wire.LEASE_GRANT, wire.message("LeaseGrantRequest", TTL=self.ttl))
+        lease_id = int(response.ID)
+        put_many(session, [(self.key, b"")], lease_id)
+        self._id = lease_id
+
+    def revoke(self) -> None:
+        """Revoke the lease now, deleting the key (no-op if none was granted)."""
+        lease_id, self._id = self._id, None
+        if lease_id is not None:
+            request = wire.message("LeaseRevokeRequest", ID=lease_id)
+            self._failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
