@@ -3,7 +3,9 @@
 A trace is a time-ordered list of :class:`NodeEvent`. A removal may carry a
 spot notice (``notice_s`` seconds before it; 0: none). The CSV format has no
 notices (the Parcae p3 trace records reclaims only): the reader gives every
-removal the same ``notice_s``.
+removal the same ``notice_s``. :func:`parse_text` is the format's one parser
+(bench/trace_segments.py reads the replay's traces through it too); a bad
+line is one :class:`TraceError` naming the file and the line.
 
 Synthetic traces follow the AWS Spot Instance Advisor's "frequency of
 interruption" buckets (the share of a type's instances interrupted in a
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import math
 import random
+import re
 
 MONTH_S = 30 * 86_400.0
 BUCKETS = {"<5%": 0.025, "5-10%": 0.075, "10-15%": 0.125, "15-20%": 0.175, ">20%": 0.25}
@@ -40,33 +44,68 @@ class NodeEvent:
     """A removal's spot notice: given this many seconds before ``t`` (0: unannounced)."""
 
 
-def read_csv(path: str, notice_s: float = 0.0) -> list[NodeEvent]:
-    """The events of the CSV at ``path`` (``ms,add|remove,node`` a line), time-ordered; raises :class:`TraceError`."""
-    out: list[NodeEvent] = []
+MAX_MS = 10 * 365 * 86_400_000
+"""The latest time a trace line may give (ten years): bounded, and a time below it survives ms -> s -> ms exactly."""
+
+
+def read_text(path: str) -> str:
+    """The text of the trace file at ``path``; raises :class:`TraceError` naming it (``--trace``, the flag that
+    gives it in both benches) when it cannot be read or is not UTF-8."""
     try:
-        with open(path, newline="") as f:
-            for n, row in enumerate(csv.reader(f), start=1):
-                if not row or (n == 1 and not row[0].strip().lstrip("-").isdigit()):
-                    continue  # blank line, or a header
-                out.append(_event(row, notice_s, f"{path}:{n}"))
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a BOM would hide line 1 as a header
+            return f.read()
     except OSError as exc:
-        raise TraceError(f"--trace: cannot read {path!r}: {exc.strerror}") from None
+        raise TraceError(f"--trace: cannot read {path!r} ({exc.strerror}); give the path of a CSV "
+                         f"'ms,add|remove,node'") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"--trace: cannot read {path!r}: byte {exc.start} is not UTF-8; give a CSV "
+                         f"'ms,add|remove,node'") from None
+
+
+def parse_text(text: str, source: str = "trace", notice_s: float = 0.0) -> list[NodeEvent]:
+    """The events of a trace CSV's text (``ms,add|remove,node`` a line), in the file's order: the one parser of
+    the format (bench/goodput_model.py and bench/trace_replay.py both read through it). A first line whose
+    first field is not a number is a header; blank lines are skipped. Every removal gets ``notice_s`` (the
+    format has none). Raises :class:`TraceError`, one line naming ``source`` and the line, for anything else.
+    """
+    out: list[NodeEvent] = []
+    rows = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for n, row in enumerate(rows, start=1):
+            if len(row) <= 1 and not "".join(row).strip():
+                continue  # a blank line
+            if n == 1 and not re.fullmatch(r"[-+]?[0-9]+(\.[0-9]*)?", row[0].strip()):
+                continue  # a header (a number there is a line of data, checked as one: "-5" is not skipped)
+            out.append(_event(row, notice_s, f"{source}:{n}"))
+    except csv.Error as exc:
+        raise TraceError(f"{source}:{rows.line_num}: not a CSV line ({exc}); give lines of 'ms,add|remove,node'") \
+            from None
     if not out:
-        raise TraceError(f"--trace: {path!r} holds no event (expected lines of ms,add|remove,node)")
-    return sorted(out, key=lambda e: (e.t, e.kind != "remove"))  # removals first at one instant
+        raise TraceError(f"{source}: holds no event; give lines of 'ms,add|remove,node'")
+    return out
+
+
+def read_csv(path: str, notice_s: float = 0.0) -> list[NodeEvent]:
+    """The events of the CSV at ``path`` (see :func:`parse_text`), time-ordered, removals first at one instant;
+    raises :class:`TraceError`."""
+    events = parse_text(read_text(path), f"--trace {path}", notice_s)
+    return sorted(events, key=lambda e: (e.t, e.kind != "remove"))
 
 
 def _event(row: list[str], notice_s: float, where: str) -> NodeEvent:
     if len(row) != 3:
-        raise TraceError(f"--trace {where}: expected ms,add|remove,node, got {','.join(row)!r}")
+        raise TraceError(f"{where}: expected 'ms,add|remove,node', got {','.join(row)!r}")
     ms, kind, node = (c.strip() for c in row)
-    try:
-        t = int(ms) / 1000.0
-    except ValueError:
-        raise TraceError(f"--trace {where}: {ms!r} is not whole milliseconds") from None
-    if t < 0 or kind not in ("add", "remove") or not node:
-        raise TraceError(f"--trace {where}: need ms >= 0, add or remove, and a node id; got {','.join(row)!r}")
-    return NodeEvent(t, kind, node, notice_s if kind == "remove" else 0.0)
+    # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
+    if not re.fullmatch(r"[0-9]+", ms):
+        raise TraceError(f"{where}: the time {ms!r} is not a whole number of milliseconds")
+    if int(ms) > MAX_MS:
+        raise TraceError(f"{where}: the time {ms} ms is beyond ten years; give milliseconds since the trace began")
+    if kind not in ("add", "remove"):
+        raise TraceError(f"{where}: the action {kind!r} is not 'add' or 'remove'")
+    if not node:
+        raise TraceError(f"{where}: the node is empty; name the node the line adds or removes")
+    return NodeEvent(int(ms) / 1000.0, kind, node, notice_s if kind == "remove" else 0.0)
 
 
 def synthetic(*, nodes: int, monthly_share: float, hours: float, seed: int, replace_s: float = 300.0,

@@ -14,21 +14,9 @@ events through :func:`elastic_ft.runevents.goodput.attribute`); the model
 runs on the same folded, compressed segment with the costs a calibration run
 measured on this machine just before (one start, a kill and the node's
 return, on the same cluster): both are printed by category with their
-difference.
-
-Folding (``fold``): the trace's node ``nodeN`` is cluster node ``(N - 1) mod
-K``; a remove takes that node down if it is up, an add brings it up if it is
-down, and every other event is merged away (an add to a node that is up, a
-remove of one that is down). The fleet's rate of changes is kept (on the
-p3 trace at 32 nodes nearly every change is a restart of the whole job, as it
-is on K nodes), not its size. Nodes up at the segment's start are ``add``
-events at 0 ms. Compression (``compress``): every time divided by one factor,
-at most ``--factor`` (6: a trace minute in 10 s) and less where the start the
-calibration measured needs it (``fitting_factor``: the first change comes after
-the run has started and trained a few steps; on a loaded machine the start
-takes a minute or more); the factor used is printed. The bench's default
-segment (``busiest_start``) is the window of ``--minutes`` with the most
-changes, none in its first six minutes and some node always up.
+difference. The segment (read, folded onto the cluster's nodes, a window
+chosen, compressed by a factor that fits this machine's start and restarts)
+is bench/trace_segments.py's; the factor used is printed.
 
     python bench/trace_replay.py --trace ../shared/traces/p3-spot-32.csv [--start-min M] [--minutes 30]
                                  [--factor 6] [--nprocs 1,2,1] [--json] [--keep]
@@ -43,13 +31,9 @@ calibration run (about a minute idle, four under a load of 20).
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import io
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -63,152 +47,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.goodput_traces import NodeEvent, TraceError  # noqa: E402  (after the path set-up above)
+from bench.replay_costs import attempts_of, costs_of, model_costs  # noqa: E402
+from bench.trace_segments import (  # noqa: E402
+    SYNTHETIC_END_MS, Change, busiest_start, compress, fitting_factor, fold, parse_trace, read_trace,
+    synthetic_segment, to_csv,
+)
+
 TRACE_ENV = "ELASTIC_FT_TRACE"
 """The environment variable naming a trace file (the real p3 trace) for the test and the bench."""
-ACTIONS = ("add", "remove")
 WAIT_S = 240.0  # any single wait of the calibration: far above a healthy recovery on a loaded 2-core machine
 NPROCS = (1, 2, 1)
 EVERY_STEPS = 5  # a commit to resume from soon after the start, even at a loaded machine's 5 s steps
-GLOBAL_BATCH, MICRO_BATCH = 32, 8  # specs/tiny-lora.yaml's batch, which the cluster trains
-
-
-class TraceError(ValueError):
-    """A trace that cannot be read: the message is one line naming the file, the line and what to do."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Change:
-    ms: int
-    action: str
-    node: str
-
-
-# ------------------------------------------------------------------------------------------------ traces (pure)
-
-
-def parse_trace(text: str, source: str = "trace") -> list[Change]:
-    """The changes of a trace CSV (``ms,add|remove,node`` a line; a header line and blank lines skipped), in
-    time order (stable: changes at the same ms keep the file's order). Raises TraceError naming the line."""
-    out = []
-    for n, row in enumerate(csv.reader(io.StringIO(text)), 1):
-        if not row or not "".join(row).strip() or (n == 1 and not row[0].strip().isdigit()):
-            continue
-        if len(row) != 3:
-            raise TraceError(f"{source}:{n}: expected 'ms,add|remove,node', got {','.join(row)!r}")
-        ms, action, node = (x.strip() for x in row)
-        if not ms.isdigit():
-            raise TraceError(f"{source}:{n}: the time {ms!r} is not a whole number of milliseconds")
-        if action not in ACTIONS:
-            raise TraceError(f"{source}:{n}: the action {action!r} is not 'add' or 'remove'")
-        if not node:
-            raise TraceError(f"{source}:{n}: the node is empty")
-        out.append(Change(int(ms), action, node))
-    return sorted(out, key=lambda c: c.ms)
-
-
-def read_trace(path: str) -> list[Change]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise TraceError(f"--trace {path}: cannot be read ({exc.strerror}); give the path of a CSV "
-                         f"'ms,add|remove,node'") from None
-    return parse_trace(text, path)
-
-
-def to_csv(changes: list[Change]) -> str:
-    return "".join(f"{c.ms},{c.action},{c.node}\n" for c in changes)
-
-
-def slot_of(node: str, slots: int) -> int:
-    """The cluster node a trace node folds onto: ``nodeN`` -> (N - 1) mod ``slots`` (any other name: by its
-    digits, else by a stable hash of the name)."""
-    digits = "".join(ch for ch in node if ch.isdigit())
-    number = int(digits) - 1 if digits else sum(node.encode())
-    return number % slots
-
-
-def fold(changes: list[Change], slots: int, start_ms: int = 0, end_ms: int | None = None) -> list[Change]:
-    """The segment [start_ms, end_ms) of a fleet's trace, folded onto ``slots`` nodes named node0.. (see the
-    module's docstring), times from the segment's start; the nodes up at its start are adds at 0 ms."""
-    up = [False] * slots
-    out: list[Change] = []
-    for c in changes:
-        if end_ms is not None and c.ms >= end_ms:
-            break
-        s = slot_of(c.node, slots)
-        if up[s] == (c.action == "add"):
-            continue  # merged: the folded node is already in that state
-        up[s] = c.action == "add"
-        if c.ms >= start_ms:
-            out.append(Change(c.ms - start_ms, c.action, f"node{s}"))
-    initial = [Change(0, "add", f"node{s}") for s in range(slots) if _up_at(changes, slots, s, start_ms)]
-    return initial + out
-
-
-def _up_at(changes: list[Change], slots: int, slot: int, ms: int) -> bool:
-    """Whether folded node ``slot`` is up just before ``ms`` (a change at ``ms`` itself is the segment's)."""
-    up = [False] * slots
-    for c in changes:
-        if c.ms >= ms:
-            break
-        s = slot_of(c.node, slots)
-        up[s] = c.action == "add"
-    return up[slot]
-
-
-def compress(changes: list[Change], factor: float) -> list[Change]:
-    """Every time divided by ``factor`` (> 0), to the millisecond."""
-    if not factor > 0:
-        raise TraceError(f"--factor: {factor} is not a positive number")
-    return [dataclasses.replace(c, ms=round(c.ms / factor)) for c in changes]
-
-
-def busiest_start(changes: list[Change], slots: int, length_ms: int, lead_ms: int = 180_000,
-                  step_ms: int = 60_000) -> int:
-    """The start (a multiple of ``step_ms``) of the window of ``length_ms`` whose folded segment holds the most
-    changes (a removal counting twice) not in its last ``lead_ms``, none in its first ``lead_ms`` (the run
-    starts first), and never every node down (a stalled job measures nothing): the segment the bench plays by
-    default. Raises TraceError when there is none."""
-    end = max((c.ms for c in changes), default=0)
-    best, best_start = 0, None
-    for start in range(0, end + 1, step_ms):
-        seg = fold(changes, slots, start, start + length_ms)
-        initial = sum(1 for s in range(slots) if _up_at(changes, slots, s, start))
-        later = seg[initial:]
-        if not initial or not later or later[0].ms < lead_ms or not _never_empty(seg):
-            continue
-        # Changes whose cost the window holds (not those in its last lead_ms), removals first.
-        score = sum(2 if c.action == "remove" else 1 for c in later if c.ms <= length_ms - lead_ms)
-        if score > best:
-            best, best_start = score, start
-    if best_start is None:
-        raise TraceError(f"no window of {length_ms / 60_000:g} trace minutes with a removal and a node always up "
-                         f"folded onto {slots} nodes; give --start-min, or a longer --minutes")
-    return best_start
-
-
-def _never_empty(segment: list[Change]) -> bool:
-    """Whether some node is up after every instant's changes (from the first add on)."""
-    up: set[str] = set()
-    for i, c in enumerate(segment):
-        (up.add if c.action == "add" else up.discard)(c.node)
-        last_at_instant = i + 1 == len(segment) or segment[i + 1].ms != c.ms
-        if last_at_instant and not up:
-            return False
-    return True
-
-
-def synthetic_segment() -> str:
-    """The test's segment, in the trace's CSV format at trace time (minutes, as the p3 trace): three nodes from
-    the start, one reclaimed, back two minutes later, then the node of two workers reclaimed. Compressed by 6
-    it runs 100 s."""
-    rows = [(0, "add", "node1"), (0, "add", "node2"), (0, "add", "node3"),
-            (240_000, "remove", "node3"), (360_000, "add", "node3"), (480_000, "remove", "node2")]
-    return "".join(f"{ms},{a},{n}\n" for ms, a, n in rows)
-
-
-SYNTHETIC_END_MS = 600_000  # trace time: 100 s of wall time compressed by 6
 
 
 # ------------------------------------------------------------------------------------- the cluster (processes)
@@ -270,94 +120,6 @@ def calibrate(endpoint: str, root: Path, nprocs: list[int], every_steps: int = E
     return costs_of(events, [t_kill], [t_join], full, every_steps, rec.recovery("kill", t_kill, events, marks))
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-def _process_start(event: dict) -> float:
-    return float(event.get("process_start") or event["ts"])
-
-
-def costs_of(events: list[dict], kills: list[float], joins: list[float], full: int, every_steps: int,
-             recovery=None) -> dict:  # type: ignore[no-untyped-def]
-    """A run's costs in seconds, each as ``attribute`` would count it, from its events and the wall times its
-    nodes were killed (``kills``) and started again (``joins``); medians where there are several:
-
-    - ``step_s``: the step at full world, the mean (``step_s_by_world``: at each world seen);
-    - ``commit_s``: training blocked per periodic save (a saved step's end to the next step's start);
-    - ``upload_s``: a save's start to its commit (the ``seconds`` of ``checkpoint_committed``);
-    - ``first_start_s``: the run's start: the first agent's start -> the resume plan of its first world
-      (agents' imports, the first rendezvous, workers' start and load, the run's token store built);
-      ``first_restart_s`` its part to the first worker's start, ``first_load_s`` the rest (as ``attribute``);
-    - ``load_s``: a restarted worker's start to its resume plan (imports, model, process group, checkpoint);
-    - ``kill_restart_s``: a SIGKILL -> the new world's worker start; ``detect_s`` and ``rendezvous_s`` its
-      parts from ``recovery`` (bench/recovery.py's, of the survivor's agent log) where given;
-    - ``join_boot_s``: a node started -> the survivors' last step (its agent starting and joining: they
-      train on meanwhile);
-    - ``join_restart_s``: that last step -> the next world's worker start (the survivors' commit and exit,
-      the round with the new node, spawn); ``join_commit_s`` the commit on the way out, within it.
-    """
-    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-    saved = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
-    # A step's wall time as goodput counts it (the previous step's end to its end, the loop's own work between
-    # included; not after a save), the mean: a loaded machine's slow steps count, as they do in the run.
-    by_world: dict[int, list[float]] = {}
-    world, before = 0, None
-    for e in events:
-        if e["event"] == "start":
-            world, before = e["world"], None
-        elif e["event"] == "step_done":
-            if before is not None and before["step"] not in saved:
-                by_world.setdefault(world, []).append(float(e["ts"]) - float(before["ts"]))
-            before = e
-    blocked, previous = [], None
-    for e in events:
-        if e["event"] == "start":
-            previous = None
-        elif e["event"] == "step_done":
-            if previous is not None and previous["step"] in saved:
-                blocked.append(float(e["ts"]) - float(e["seconds"]) - float(previous["ts"]))
-            previous = e
-    loads = []
-    for i in starts[1:]:  # the first attempt also builds the run's token store: the run's start, not a restart's
-        plan = next((e for e in events[i:] if e["event"] == "resume_plan"), None)
-        if plan is not None:
-            loads.append(float(plan["ts"]) - _process_start(events[i]))
-    first = events[starts[0]]
-    first_plan = float(next(e for e in events[starts[0]:] if e["event"] == "resume_plan")["ts"])
-    kill_restarts = []
-    for t in kills:
-        i = next((i for i in starts if _process_start(events[i]) > t), None)
-        if i is not None:
-            kill_restarts.append(_process_start(events[i]) - t)
-    boots, commits, join_restarts = [], [], []
-    for t in joins:
-        i = next((i for i in starts if events[i]["ts"] > t), None)
-        if i is None or events[i - 1]["event"] not in ("preempted", "end"):
-            continue  # the join's restart was merged with another change: no clean measure of it
-        last_step = max((float(e["ts"]) for e in events[:i] if e["event"] == "step_done"), default=t)
-        boots.append(last_step - t)
-        commits.append(float(events[i - 1]["ts"]) - last_step)
-        join_restarts.append(_process_start(events[i]) - last_step)
-    uploads = [float(e["seconds"]) for e in events if e["event"] == "checkpoint_committed" and e.get("seconds")]
-    kill_restart = _median(kill_restarts)
-    detect = recovery.detect if recovery is not None and recovery.detect is not None else 0.0
-    return {
-        "step_s": statistics.mean(by_world.get(full) or [s for v in by_world.values() for s in v] or [0.0]),
-        "step_s_by_world": {str(w): statistics.mean(v) for w, v in sorted(by_world.items())},
-        "commit_s": _median(blocked), "upload_s": _median(uploads), "every_steps": every_steps,
-        "first_start_s": first_plan - float(first.get("agent_start") or _process_start(first)),
-        "first_restart_s": _process_start(first) - float(first.get("agent_start") or _process_start(first)),
-        "first_load_s": first_plan - _process_start(first),
-        "load_s": _median(loads),
-        "kill_restart_s": kill_restart, "detect_s": min(detect, kill_restart),
-        "rendezvous_s": kill_restart - min(detect, kill_restart),
-        "kill_lost_steps": recovery.lost if recovery is not None else None,
-        "join_boot_s": _median(boots), "join_commit_s": _median(commits), "join_restart_s": _median(join_restarts),
-        "recovery_parts": dict(recovery.parts) if recovery is not None else None,
-    }
-
-
 def replay(endpoint: str, root: Path, nprocs: list[int], segment: list[Change], end_ms: int,
            every_steps: int = EVERY_STEPS, run_id: str = "replay") -> tuple[float, list[dict]]:
     """Play ``segment`` (folded onto ``len(nprocs)`` nodes node0.., times already compressed) on a new run from
@@ -400,24 +162,6 @@ def replay(endpoint: str, root: Path, nprocs: list[int], segment: list[Change], 
     return t0, done
 
 
-def attempts_of(events: list[dict], t0: float) -> list[dict]:
-    """The run's attempts, times from the replay's 0: worker start, resume plan (training begins), world, the
-    step resumed from, the last step trained and how the attempt ended (its last event)."""
-    out: list[dict] = []
-    for e in events:
-        if e["event"] == "start":
-            out.append({"process_start": round(float(e.get("process_start") or e["ts"]) - t0, 2),
-                        "world": e["world"], "trains": None, "resumed": None, "last_step": None})
-        elif out:
-            a = out[-1]
-            if e["event"] == "resume_plan":
-                a["trains"], a["resumed"] = round(float(e["ts"]) - t0, 2), e["step"]
-            elif e["event"] == "step_done":
-                a["last_step"] = e["step"]
-            a["ended"], a["end"] = e["event"], round(float(e["ts"]) - t0, 2)
-    return out
-
-
 def measured_goodput(run_dir: Path):  # type: ignore[no-untyped-def]
     """The run's goodput as ``elastic-ft goodput RUN`` gives it (the same loader and attribution), and the wall
     time of its last event (None: no event)."""
@@ -432,40 +176,11 @@ def measured_goodput(run_dir: Path):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------------------------------------- the model
 
 
-def model_costs(measured: dict, nodes: int) -> dict:
-    """The goodput model's cost fields (bench/goodput_costs.py) from the calibration's measures, each split as
-    ``elastic-ft goodput`` attributes it (restart: up to a worker's start; loading: to its resume plan).
-
-    The model's nodes are alike (``gpus_per_node`` 1: a node is a rank of its batch plan); the cluster's
-    differ in workers, so the step measured at full world is spread over the model's micro-batches at
-    ``nodes`` ranks. No notices: the replay's removals are kills, so the leave fields are not used.
-    """
-    from elastic_ft.config import BatchConfig
-    from elastic_ft.train.scaling import plan_batch
-
-    batch = BatchConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH, policy="constant_global")
-    micro_steps = max(plan_batch(batch, 1.0, nodes).micro_steps)
-    kill = measured["kill_restart_s"]
-    return {
-        "gpus_per_node": 1, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
-        "every_steps": measured["every_steps"],
-        "micro_step_s": measured["step_s"] / micro_steps, "step_sync_s": 0.0,
-        "ckpt_block_s": measured["commit_s"], "ckpt_upload_s": measured["upload_s"],
-        "commit_sync_s": measured["join_commit_s"],
-        "detect_s": min(measured["detect_s"], kill), "rendezvous_s": kill - min(measured["detect_s"], kill),
-        "worker_start_s": measured["load_s"], "load_s": 0.0,
-        "join_rendezvous_s": max(0.0, measured["join_restart_s"] - measured["join_commit_s"]),
-        "join_fetch_s": 0.0, "join_boot_s": measured["join_boot_s"],
-        "initial_restart_s": measured["first_restart_s"], "initial_load_s": measured["first_load_s"],
-    }
-
-
 def predict(segment: list[Change], measured: dict, end_ms: int, nodes: int) -> dict:
     """The goodput model (bench/goodput_sim.py's ``simulate``) on the same segment, with the measured costs
     over the ``cpu`` profile, from 0 to ``end_ms``: ``{goodput, categories (seconds), wall_s, recoveries}``."""
     from bench.goodput_costs import CPU, override
     from bench.goodput_sim import simulate
-    from bench.goodput_traces import NodeEvent
 
     fields = model_costs(measured, nodes)
     costs = override(CPU, {k: {"value": v, "source": "bench/trace_replay.py calibration"}
@@ -509,23 +224,6 @@ def table(result: dict) -> str:
         h = 100 * result["hindsight"][c] if "hindsight" in result else float("nan")
         rows.append(f"{label:<30}{m:>9.1f}%{p:>9.1f}%{p - m:>+12.1f}{h:>10.1f}%{h - m:>+12.1f}")
     return "\n".join(rows)
-
-
-def fitting_factor(segment: list[Change], measured: dict, most: float) -> float:
-    """The compression for ``segment`` (trace times) on a machine whose costs are ``measured``: at most ``most``,
-    at least 1, and small enough that the replay measures the segment's changes rather than restarts cut short:
-    its first change comes once the run has started and trained (the measured start, 5 steps and 5 s), and
-    changes at different times are at least a restart apart (a kill's restart and load, a node's boot, 3 steps).
-    On an idle 2-core machine the cap decides; under load the costs do."""
-    initial = sum(1 for c in segment if c.ms == 0 and c.action == "add")
-    times = sorted({c.ms for c in segment[initial:]})
-    if not times:
-        return most
-    need_start = measured["first_start_s"] + 5 * measured["step_s"] + 5.0
-    need_restart = measured["kill_restart_s"] + measured["load_s"] + measured["join_boot_s"] + 3 * measured["step_s"]
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    fits = [times[0] / 1000 / need_start] + [g / 1000 / need_restart for g in gaps]
-    return max(1.0, min(most, *fits))
 
 
 def validate(endpoint: str, root: Path, segment: list[Change], end_ms: int, nprocs: list[int],

@@ -25,6 +25,7 @@ import os
 import pytest
 
 from bench import trace_replay as tr
+from bench import trace_segments as seg
 
 # 3-8 minutes of a quiet machine's time each (a calibration, then the replay), and the prediction holds only
 # while the machine's costs hold still between the two: run by scripts/validate_goodput.sh, not in the
@@ -38,7 +39,7 @@ TOLERANCE_POINTS = 5.0
 NPROCS = [1, 2, 1]
 
 
-def check(result: dict, segment: list[tr.Change], out) -> None:  # type: ignore[no-untyped-def]
+def check(result: dict, segment: list[seg.Change], out) -> None:  # type: ignore[no-untyped-def]
     out.write_text(json.dumps(result, default=str, indent=1))  # for the figures, and for a failure's why
     assert len(result["done"]) == len(segment), result["done"]  # every change of the segment was played
     # The run trained after the segment's end, so its goodput covers every change's cost.
@@ -56,8 +57,8 @@ def check(result: dict, segment: list[tr.Change], out) -> None:  # type: ignore[
 
 
 def test_synthetic_segment_goodput_agrees_with_the_model(etcd, tmp_path):
-    segment = tr.fold(tr.parse_trace(tr.synthetic_segment(), "synthetic"), len(NPROCS))
-    check(tr.validate(etcd.endpoint, tmp_path, segment, tr.SYNTHETIC_END_MS, NPROCS), segment,
+    segment = seg.fold(seg.parse_trace(seg.synthetic_segment(), "synthetic"), len(NPROCS))
+    check(tr.validate(etcd.endpoint, tmp_path, segment, seg.SYNTHETIC_END_MS, NPROCS), segment,
           tmp_path / "result.json")
 
 

@@ -1,10 +1,13 @@
-"""bench/trace_replay.py's pure part: a trace read, folded onto the cluster's nodes, compressed, a segment chosen."""
+"""bench/trace_replay.py's pure parts: a trace read, folded onto the cluster's nodes, compressed, a segment chosen
+(bench/trace_segments.py), and the costs a run's events show (bench/replay_costs.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import trace_replay as tr
+from bench import replay_costs as rc
+from bench import trace_segments as tr
+from bench.goodput_traces import TraceError
 
 
 def changes(*rows: tuple[int, str, str]) -> list[tr.Change]:
@@ -23,7 +26,7 @@ def test_a_trace_is_read_in_time_order_header_and_blank_lines_skipped():
     ("5,add,", "the node is empty"),
 ])
 def test_a_bad_line_is_one_error_naming_the_file_and_line(line, named):
-    with pytest.raises(tr.TraceError) as e:
+    with pytest.raises(TraceError) as e:
         tr.parse_trace(f"0,add,node1\n{line}\n", "p3.csv")
     assert str(e.value).startswith("p3.csv:2: ") and named in str(e.value) and "\n" not in str(e.value)
 
@@ -49,7 +52,7 @@ def test_a_segment_starts_with_the_nodes_up_then_and_counts_time_from_its_start(
 def test_compression_divides_every_time():
     assert tr.compress(changes((0, "add", "node0"), (60_000, "remove", "node0")), 6) == \
         changes((0, "add", "node0"), (10_000, "remove", "node0"))
-    with pytest.raises(tr.TraceError, match="--factor"):
+    with pytest.raises(TraceError, match="--factor"):
         tr.compress([], 0)
 
 
@@ -66,7 +69,7 @@ def test_the_busiest_window_has_changes_after_the_lead_and_never_every_node_down
 
 
 def test_no_window_is_one_clear_error():
-    with pytest.raises(tr.TraceError, match="--start-min"):
+    with pytest.raises(TraceError, match="--start-min"):
         tr.busiest_start(changes((0, "add", "node1")), 3, 60_000)
 
 
@@ -98,9 +101,9 @@ def test_the_models_costs_split_the_first_start_and_boot_a_joining_node_as_measu
               {"event": "start", "ts": 212.5, "world": 2, "process_start": 212.0},
               {"event": "resume_plan", "ts": 219.0}]
     events[-4]["ts"] = 206.5
-    measured = tr.costs_of(events, kills=[], joins=[200.0], full=2, every_steps=10)
+    measured = rc.costs_of(events, kills=[], joins=[200.0], full=2, every_steps=10)
     assert measured["first_restart_s"] == pytest.approx(3.0) and measured["first_load_s"] == pytest.approx(7.0)
     assert measured["join_boot_s"] == pytest.approx(6.5)
-    fields = tr.model_costs(measured, 2)
+    fields = rc.model_costs(measured, 2)
     assert fields["initial_restart_s"] == pytest.approx(3.0) and fields["initial_load_s"] == pytest.approx(7.0)
     assert fields["join_boot_s"] == pytest.approx(6.5)
