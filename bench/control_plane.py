@@ -27,8 +27,9 @@ one etcd member started here on free ports (tests/rendezvous/etcd_server.py), wh
 - ``db_bytes``: ``etcd_mvcc_db_total_size_in_bytes`` at the end of the steady state, under the
   compaction given by ``--compaction`` (``none``: etcd's default, no compaction; ``infra``: the flags
   infra/aws/etcd.yaml gives its members, compaction and quota; or ``periodic:RET`` /
-  ``revision:RET``). Compaction frees pages for reuse, it does not shrink the file: a bounded
-  ``db_bytes`` over a long ``--steady-s`` is the proof, a short window only shows the growth rate.
+  ``revision:RET``), and ``db_bytes_series`` ([seconds into the window, bytes], 20 samples).
+  Compaction frees pages for reuse, it does not shrink the file: a ``db_bytes_series`` that levels off
+  over a long ``--steady-s`` is the proof of a bound, a short window only shows the growth rate.
 - ``reround_s``: one agent lost as a dead node is (its keep-alive timer cancelled, its monitor loop
   ended, its etcd connection closed; no leave, no close) until every survivor's ``next_rendezvous()``
   returned a round of world size N - 1 with ranks 0..N-2. "Re-formed" is exactly that: each
@@ -61,6 +62,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -241,13 +243,18 @@ class Agent:
 
 def build_agents(endpoint: str, run_id: str, n: int, *, keep_alive_interval: int, monitor_interval: float,
                  join_timeout_s: int = 600) -> list[Agent]:
-    """``n`` handlers built with ``create_handler`` (each connects and gets its lease now), min N-1, max N."""
+    """``n`` handlers built with ``create_handler`` (each connects and gets its lease now), min N-1, max N.
+
+    ``join_timeout_s``: an agent still in ``next_rendezvous()`` then gives up by itself (the bench sets
+    it just past its own wait, so no agent thread outlives a count whose round did not form); a call
+    that finds the bench's etcd stopped gives up after 10 s (``retry_timeout``).
+    """
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from elastic_ft.rendezvous.handler import create_handler
 
     params = RendezvousParameters("etcd3", endpoint, run_id, max(1, n - 1), n, join_timeout=str(join_timeout_s),
-                                  keep_alive_interval=str(keep_alive_interval))
+                                  keep_alive_interval=str(keep_alive_interval), retry_timeout="10")
     return [Agent(create_handler(params), monitor_interval) for _ in range(n)]
 
 
@@ -257,17 +264,40 @@ def _check(agents: list[Agent], what: str) -> None:
         raise RuntimeError(f"{len(errors)} of {len(agents)} agents failed during {what}: {errors[0]!r}")
 
 
+def _seen(agents: list[Agent]) -> str:
+    """What the newest state one agent synced shows (for the progress lines): round, participants, waiting."""
+    from elastic_ft.rendezvous.torch_internals import state_holder
+
+    state = max((state_holder(a.handler).state for a in agents), key=lambda s: (s.round, len(s.participants)))
+    return (f"round {state.round}: {len(state.participants)} participants, complete {state.complete}, "
+            f"{len(state.wait_list)} waiting, {len(state.last_heartbeats)} heartbeats")
+
+
+class RoundNotFormed(RuntimeError):
+    """Not every agent returned from ``next_rendezvous()`` in time: a figure (the design does not scale), not a crash."""
+
+    def __init__(self, what: str, joined: int, agents: int, timeout: float) -> None:
+        super().__init__(f"{what}: only {joined} of {agents} agents joined within {timeout:g} s")
+        self.joined = joined
+
+
 def wait_for_round(agents: list[Agent], count: int, world_size: int, timeout: float, what: str) -> float:
     """Block until every agent has joined ``count`` rounds; the time (monotonic) the last returned.
 
-    Raises if an agent failed, the time ran out, or the round is not ``world_size`` with ranks 0..N-1.
+    Raises:
+        RoundNotFormed: the time ran out.
+        RuntimeError: an agent failed, or the round is not ``world_size`` with ranks 0..N-1.
     """
     deadline = time.monotonic() + timeout
+    told = time.monotonic()
     while any(len(a.rounds) < count for a in agents):
         _check(agents, what)
+        if time.monotonic() - told > 15:
+            told = time.monotonic()
+            print(f"  ... {what}: {sum(len(a.rounds) >= count for a in agents)} of {len(agents)} joined; "
+                  f"{_seen(agents)}", file=sys.stderr, flush=True)
         if time.monotonic() > deadline:
-            done = sum(len(a.rounds) >= count for a in agents)
-            raise RuntimeError(f"{what}: only {done} of {len(agents)} agents joined within {timeout:g} s")
+            raise RoundNotFormed(what, sum(len(a.rounds) >= count for a in agents), len(agents), timeout)
         time.sleep(0.05)
     _check(agents, what)
     last = [a.rounds[count - 1] for a in agents]
@@ -296,6 +326,7 @@ class Figures:
     cas_retries_per_s: float
     db_bytes: float
     db_in_use_bytes: float
+    db_bytes_series: list
     steady_s: float
     keep_alive_interval: int
     monitor_interval: float
@@ -314,7 +345,7 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
     run_id = f"ctlplane-{n}-{uuid.uuid4().hex[:8]}"
     with counting_cas() as cas:
         agents = build_agents(endpoint, run_id, n, keep_alive_interval=keep_alive_interval,
-                              monitor_interval=monitor_interval)
+                              monitor_interval=monitor_interval, join_timeout_s=int(round_timeout) + 5)
         try:
             before = scrape(endpoint)
             start = time.monotonic()
@@ -327,7 +358,11 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
             # Steady state: from one keep-alive interval after the round (the last joiners' first beats).
             time.sleep(keep_alive_interval)
             s0, c0, t0 = scrape(endpoint), cas.snapshot(), time.monotonic()
-            time.sleep(steady_s)
+            # db size sampled 20 times over the window: bounded or growing, not only where it ended.
+            db_series = []
+            for i in range(1, 21):
+                time.sleep(max(0.0, t0 + steady_s * i / 20 - time.monotonic()))
+                db_series.append([round(time.monotonic() - t0, 1), scrape(endpoint).get(DB_BYTES, 0.0)])
             s1, c1, t1 = scrape(endpoint), cas.snapshot(), time.monotonic()
             _check(agents, "the steady state")
             if any(len(a.rounds) != 1 for a in agents):
@@ -348,6 +383,10 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
             for a in agents:
                 with contextlib.suppress(Exception):
                     a.quit()
+            # An agent still joining ends at its join timeout; wait for it while etcd still answers.
+            give_up = time.monotonic() + 60
+            for a in agents:
+                a.thread.join(timeout=max(0.0, give_up - time.monotonic()))
     return Figures(
         agents=n,
         round_s=round(round_s, 3),
@@ -365,6 +404,7 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
         cas_retries_per_s=round((c1[1] - c0[1]) / span, 2),
         db_bytes=s1.get(DB_BYTES, 0.0),
         db_in_use_bytes=s1.get(DB_IN_USE, 0.0),
+        db_bytes_series=db_series,
         steady_s=round(span, 1),
         keep_alive_interval=keep_alive_interval,
         monitor_interval=monitor_interval,
@@ -381,6 +421,8 @@ COLUMNS = [("agents", "agents", 6, 0), ("round_s", "round s", 8, 2), ("reround_s
 
 
 def main() -> None:
+    # A SIGTERM (timeout, kill) ends the run through the finally blocks: no etcd left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", default="32,128,512", help="agent counts, comma-separated (2 to 512)")
     parser.add_argument("--steady-s", type=float, default=20.0,
@@ -389,6 +431,8 @@ def main() -> None:
                         help="none, infra (infra/aws/etcd.yaml's flags), periodic:RETENTION or revision:RETENTION")
     parser.add_argument("--keep-alive-interval", type=int, default=2, help="seconds (the rendezvous option)")
     parser.add_argument("--monitor-interval", type=float, default=0.1, help="seconds (torchrun's --monitor-interval)")
+    parser.add_argument("--round-timeout", type=float, default=300.0,
+                        help="seconds a round may take before the count is reported as not formed")
     parser.add_argument("--no-loss", action="store_true", help="skip the re-round after a loss")
     parser.add_argument("--json", action="store_true", help="one JSON object per agent count")
     args = parser.parse_args()
@@ -412,12 +456,20 @@ def main() -> None:
         print(" ".join(f"{header:>{width}}" for _, header, width, _ in COLUMNS), flush=True)
     for n in sizes:
         with etcd_member(flags) as server:
-            figures = measure(server.endpoint, n, steady_s=args.steady_s, keep_alive_interval=args.keep_alive_interval,
-                              monitor_interval=args.monitor_interval, lose=not args.no_loss, etcd_flags=flags)
+            try:
+                row = asdict(measure(server.endpoint, n, steady_s=args.steady_s,
+                                     keep_alive_interval=args.keep_alive_interval,
+                                     monitor_interval=args.monitor_interval, lose=not args.no_loss,
+                                     etcd_flags=flags, round_timeout=args.round_timeout))
+            except RoundNotFormed as exc:
+                # A figure too: at this count the rounds do not form in time (the other figures need one).
+                row = {**{name: None for name in Figures.__dataclass_fields__}, "agents": n,
+                       "not_formed": str(exc), "joined": exc.joined}
         if args.json:
-            print(json.dumps(asdict(figures)), flush=True)
+            print(json.dumps(row), flush=True)
+        elif row.get("not_formed"):
+            print(f"{n:>6}  {row['not_formed']}", flush=True)
         else:
-            row = asdict(figures)
             print(" ".join(f"{row[name]:>{width}.{places}f}" for name, _, width, places in COLUMNS), flush=True)
 
 
