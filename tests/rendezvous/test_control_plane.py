@@ -26,7 +26,7 @@ SLACK = 1.5
 
 # How long a round of 128 may take here before the count is judged not to form (a 2-core machine
 # shared with other jobs; 32 agents form theirs in about 2 s).
-ROUND_TIMEOUT_S = 60.0
+ROUND_TIMEOUT_S = 45.0
 
 
 @pytest.fixture(scope="module")
