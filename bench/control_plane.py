@@ -347,7 +347,7 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
     run_id = f"ctlplane-{n}-{uuid.uuid4().hex[:8]}"
     with counting_cas() as cas:
         agents = build_agents(endpoint, run_id, n, keep_alive_interval=keep_alive_interval,
-                              monitor_interval=monitor_interval, join_timeout_s=int(round_timeout) + 5)
+                              monitor_interval=monitor_interval, join_timeout_s=int(round_timeout) + 30)
         try:
             before = scrape(endpoint)
             start = time.monotonic()
@@ -389,7 +389,7 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
                 with contextlib.suppress(Exception):
                     a.quit()
             # An agent still joining ends at its join timeout; wait for it while etcd still answers.
-            give_up = time.monotonic() + 60
+            give_up = time.monotonic() + 90
             for a in agents:
                 a.thread.join(timeout=max(0.0, give_up - time.monotonic()))
     return Figures(
