@@ -260,7 +260,13 @@ def build_agents(endpoint: str, run_id: str, n: int, *, keep_alive_interval: int
 
 
 def _check(agents: list[Agent], what: str) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
     errors = [a.error for a in agents if a.error is not None]
+    if errors and all(isinstance(e, RendezvousTimeoutError) for e in errors):
+        # Their join timeout passed before this loop saw its own (at 512 threads it waits long for the GIL).
+        raise RoundNotFormed(what, sum(bool(a.rounds) for a in agents), len(agents), agents[0].handler.settings
+                             .timeout.join.total_seconds())
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(agents)} agents failed during {what}: {errors[0]!r}")
 
