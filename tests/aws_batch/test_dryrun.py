@@ -44,6 +44,23 @@ def test_nnodes_2_8_is_an_array_of_8_single_node_containers():
     assert request.images_to_push == {}
 
 
+def test_nnodes_2_512_is_an_array_of_512_single_node_containers():
+    """Issue 27's scale: 512 nodes are 512 array children, each one torchrun agent of the elastic range."""
+    request = dryrun(train_args(nnodes="2:512", overrides=("steps=5", "batch.global_batch=1024"))).request
+    assert isinstance(request, ArrayJobRequest)
+    assert request.job_definition["type"] == "container"
+    assert request.submit_job["arrayProperties"] == {"size": 512}
+    command = request.job_definition["containerProperties"]["command"][2]
+    assert "--nnodes 2:512 --nproc_per_node 2 " in command and command.endswith("batch.global_batch=1024")
+    assert request.job_definition["retryStrategy"]["evaluateOnExit"] == RULES
+
+
+def test_nnodes_2_512_with_a_global_batch_too_small_for_1024_processes_is_refused_with_the_fix():
+    with pytest.raises(ComponentArgumentError, match=r"--nnodes 2:512 x --nproc_per_node 2 = 1024 processes at most"
+                       r".*batch\.global_batch=1024"):
+        dryrun(train_args(nnodes="2:512"))
+
+
 def test_the_container_runs_torchrun_on_etcd3_with_the_run_id_and_s3_checkpoints():
     container = dryrun(train_args()).request.job_definition["containerProperties"]
     assert container["command"] == ["bash", "-c", LINE]

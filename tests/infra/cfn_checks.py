@@ -281,3 +281,55 @@ def etcd_rbac_problems(template: Template) -> list[str]:
     if pattern is None or re.fullmatch(pattern, "/") or not re.fullmatch(pattern, "/elastic_ft/"):
         problems.append("TrainingKeyPrefix: its AllowedPattern must refuse '/' (every key) and allow /elastic_ft/")
     return problems
+
+
+# etcd recommends at most 8 GiB of quota; the history it keeps must also fit the member's data volume.
+ETCD_MAX_QUOTA = 8 * 2**30
+
+
+def _duration_s(text: str) -> float | None:
+    """etcd's periodic retention (a Go duration like 5m or 1h30m, or a bare number of hours) in seconds."""
+    import re
+
+    if re.fullmatch(r"\d+", text):
+        return float(text) * 3600
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def etcd_storage_problems(template: Template) -> list[str]:
+    """etcd compacts its history and has a quota that fits the members (see infra/aws/README.md, etcd sizing).
+
+    In the boot script's environment file: ``ETCD_AUTO_COMPACTION_MODE`` periodic or revision with a
+    ``ETCD_AUTO_COMPACTION_RETENTION`` of that mode's form (periodic: at most 1 hour, as the sizing
+    assumes; revision: a count), and ``ETCD_QUOTA_BACKEND_BYTES`` between etcd's 2 GiB default and its
+    8 GiB recommended maximum, and at most half the smallest data volume the template allows (the
+    write-ahead log and snapshots share the volume).
+    """
+    import re
+
+    env = dict(re.findall(r"^\s*(ETCD_[A-Z_]+)=(\S*)\s*$", etcd_user_data(template), re.M))
+    problems = []
+    mode, retention = env.get("ETCD_AUTO_COMPACTION_MODE"), env.get("ETCD_AUTO_COMPACTION_RETENTION", "")
+    if mode not in ("periodic", "revision"):
+        problems.append(f"etcd: ETCD_AUTO_COMPACTION_MODE is {mode!r}: set periodic or revision, or the history grows "
+                        f"without bound")
+    elif mode == "periodic" and not 0 < (_duration_s(retention) or 0) <= 3600:
+        problems.append(f"etcd: ETCD_AUTO_COMPACTION_RETENTION {retention!r} must be a duration of at most 1h "
+                        f"for periodic compaction")
+    elif mode == "revision" and not (retention.isdigit() and int(retention) > 0):
+        problems.append(f"etcd: ETCD_AUTO_COMPACTION_RETENTION {retention!r} must be a revision count for revision "
+                        f"compaction")
+    quota = env.get("ETCD_QUOTA_BACKEND_BYTES", "")
+    volume_gib = template["Parameters"]["DataVolumeGiB"].get("MinValue", 0)
+    if not quota.isdigit():
+        problems.append("etcd: ETCD_QUOTA_BACKEND_BYTES is missing: set a quota sized from the figures")
+    elif not 2 * 2**30 <= int(quota) <= ETCD_MAX_QUOTA:
+        problems.append(f"etcd: ETCD_QUOTA_BACKEND_BYTES {quota} is outside 2 GiB (etcd's default) to 8 GiB "
+                        f"(etcd's recommended maximum)")
+    elif int(quota) > volume_gib * 2**30 / 2:
+        problems.append(f"etcd: ETCD_QUOTA_BACKEND_BYTES {quota} is over half the smallest data volume "
+                        f"(DataVolumeGiB MinValue {volume_gib} GiB)")
+    return problems

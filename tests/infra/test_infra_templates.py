@@ -212,3 +212,28 @@ def test_rbac_check_catches_a_prefix_parameter_that_allows_every_key():
     template = load_template("etcd")
     template["Parameters"]["TrainingKeyPrefix"]["AllowedPattern"] = "^/[A-Za-z0-9_./-]*/?$"
     assert any("must refuse '/'" in p for p in checks.etcd_rbac_problems(template))
+
+
+def test_etcd_compacts_its_history_and_has_a_quota():
+    assert checks.etcd_storage_problems(load_template("etcd")) == []
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("ETCD_AUTO_COMPACTION_MODE=periodic\n", "", "ETCD_AUTO_COMPACTION_MODE is None"),
+    ("ETCD_AUTO_COMPACTION_RETENTION=5m", "ETCD_AUTO_COMPACTION_RETENTION=72h", "at most 1h"),
+    ("ETCD_AUTO_COMPACTION_MODE=periodic", "ETCD_AUTO_COMPACTION_MODE=revision", "must be a revision count"),
+    ("ETCD_QUOTA_BACKEND_BYTES=4294967296\n", "", "ETCD_QUOTA_BACKEND_BYTES is missing"),
+    ("ETCD_QUOTA_BACKEND_BYTES=4294967296", "ETCD_QUOTA_BACKEND_BYTES=17179869184", "outside 2 GiB"),
+])
+def test_storage_check_catches_a_missing_or_unbounded_setting(old, new, expected):
+    template = load_template("etcd")
+    sub = template["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]["Fn::Sub"]
+    assert old in sub[0]
+    sub[0] = sub[0].replace(old, new)
+    assert any(expected in p for p in checks.etcd_storage_problems(template)), checks.etcd_storage_problems(template)
+
+
+def test_storage_check_catches_a_quota_over_half_the_smallest_volume():
+    template = load_template("etcd")
+    template["Parameters"]["DataVolumeGiB"]["MinValue"] = 4
+    assert any("over half the smallest data volume" in p for p in checks.etcd_storage_problems(template))

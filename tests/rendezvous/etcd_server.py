@@ -126,11 +126,14 @@ class EtcdServer:
     Args:
         data_dir: where etcd keeps its data (kept across :meth:`restart`).
         tls: serve clients over TLS and require client certificates.
+        extra_args: more etcd flags (bench/control_plane.py: compaction and quota as the infra
+            template sets them).
     """
 
-    def __init__(self, data_dir: Path, tls: TlsFiles | None = None) -> None:
+    def __init__(self, data_dir: Path, tls: TlsFiles | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.data_dir = Path(data_dir)
         self.tls = tls
+        self.extra_args = tuple(extra_args)
         self.client_port, self.peer_port = free_ports(2)
         self.process: subprocess.Popen | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
@@ -182,6 +185,7 @@ class EtcdServer:
             "--election-timeout", "500",
             "--logger", "zap",
             "--log-level", "warn",
+            *self.extra_args,
         ]
         if self.tls:
             cmd += [
