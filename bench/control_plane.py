@@ -233,8 +233,17 @@ class Agent:
         """Die as a node does: no more keep-alives, no leave, the connection dropped."""
         from elastic_ft.rendezvous.torch_internals import stop_heartbeats
 
+        from elastic_ft.rendezvous.etcd.errors import EtcdClientError
+
+        def dead(what: str, fn: Any) -> Any:
+            raise EtcdClientError(f"{what}: this agent is dead (bench)")
+
         self.stop.set()
         stop_heartbeats(self.handler)
+        # A closed client reconnects when used again, and an agent lost while it is inside
+        # next_rendezvous() (a round a starved keep-alive broke) would go on joining and refreshing its
+        # liveness lease from that thread: a dead node's etcd calls all fail.
+        self.handler.etcd_client._failover.call = dead
         self.handler.etcd_client.close()
 
     def quit(self) -> None:
@@ -288,26 +297,34 @@ class RoundNotFormed(RuntimeError):
         self.joined = joined
 
 
-def wait_for_round(agents: list[Agent], count: int, world_size: int, timeout: float, what: str) -> float:
+def wait_for_round(agents: list[Agent], count: int, world_size: int, timeout: float, what: str,
+                   size_decides: bool = False) -> float:
     """Block until every agent has joined ``count`` rounds; the time (monotonic) the last returned.
+
+    With ``size_decides``, ``count`` is the least: the wait goes on until every agent's newest round
+    is ``world_size`` (after a loss, a round of the old size that a late keep-alive broke, the host's
+    threads starved of the interpreter lock, may come in between: it is not the re-round).
 
     Raises:
         RoundNotFormed: the time ran out.
         RuntimeError: an agent failed, or the round is not ``world_size`` with ranks 0..N-1.
     """
+    def waiting(a: Agent) -> bool:
+        return len(a.rounds) < count or (size_decides and a.rounds[-1].world_size != world_size)
+
     deadline = time.monotonic() + timeout
     told = time.monotonic()
-    while any(len(a.rounds) < count for a in agents):
+    while any(waiting(a) for a in agents):
         _check(agents, what)
         if time.monotonic() - told > 15:
             told = time.monotonic()
-            print(f"  ... {what}: {sum(len(a.rounds) >= count for a in agents)} of {len(agents)} joined; "
+            print(f"  ... {what}: {sum(not waiting(a) for a in agents)} of {len(agents)} joined; "
                   f"{_seen(agents)}", file=sys.stderr, flush=True)
         if time.monotonic() > deadline:
-            raise RoundNotFormed(what, sum(len(a.rounds) >= count for a in agents), len(agents), timeout)
+            raise RoundNotFormed(what, sum(not waiting(a) for a in agents), len(agents), timeout)
         time.sleep(0.05)
     _check(agents, what)
-    last = [a.rounds[count - 1] for a in agents]
+    last = [a.rounds[-1] if size_decides else a.rounds[count - 1] for a in agents]
     ranks = sorted(j.rank for j in last)
     sizes = {j.world_size for j in last}
     if sizes != {world_size} or ranks != list(range(world_size)):
@@ -387,7 +404,7 @@ def measure(endpoint: str, n: int, *, steady_s: float = 20.0, keep_alive_interva
                 lost_at = time.monotonic()
                 victim.lose()
                 done = wait_for_round(survivors, extra_rounds + 2, n - 1, round_timeout,
-                                      f"the round of {n - 1} after a loss")
+                                      f"the round of {n - 1} after a loss", size_decides=True)
                 reround_s = done - lost_at
                 detect_s = min(a.saw_change_at for a in survivors if a.saw_change_at is not None) - lost_at
         finally:
