@@ -281,6 +281,16 @@ def bench_fsdp(endpoint, server_pid: int, total_mb: float, repeats: int, tmp: st
     return ratios
 
 
+def use_server(endpoint) -> None:  # type: ignore[no-untyped-def]
+    """Point this process's S3 clients at the bench's server only (no profile, session or SSE setting of
+    this machine)."""
+    os.environ.update(AWS_ACCESS_KEY_ID=endpoint.access_key, AWS_SECRET_ACCESS_KEY=endpoint.secret_key,
+                      AWS_DEFAULT_REGION=endpoint.region, AWS_ENDPOINT_URL_S3=endpoint.endpoint_url,
+                      AWS_EC2_METADATA_DISABLED="true")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "ELASTIC_FT_S3_SSE", "ELASTIC_FT_S3_SSE_KMS_KEY_ID"):
+        os.environ.pop(name, None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lora-mb", type=float, default=20, help="LoRA-sized state (MB)")
@@ -306,11 +316,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         server = SeaweedServer(os.path.join(tmp, "seaweedfs"))
         endpoint = server.start()
-        os.environ.update(AWS_ACCESS_KEY_ID=endpoint.access_key, AWS_SECRET_ACCESS_KEY=endpoint.secret_key,
-                          AWS_DEFAULT_REGION=endpoint.region, AWS_ENDPOINT_URL_S3=endpoint.endpoint_url,
-                          AWS_EC2_METADATA_DISABLED="true")
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "ELASTIC_FT_S3_SSE", "ELASTIC_FT_S3_SSE_KMS_KEY_ID"):
-            os.environ.pop(name, None)
+        use_server(endpoint)
         print(f"SeaweedFS at {endpoint.endpoint_url}; {os.cpu_count()} CPUs; load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         try:

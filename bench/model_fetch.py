@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "checkpoint"))
 
-from checkpoint import settle  # noqa: E402 (bench/checkpoint.py: flush, then wait for an idle server)
+from checkpoint import settle, use_server  # noqa: E402 (bench/checkpoint.py: flush, then wait for an idle server)
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -120,11 +120,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-fetch-") as tmp:
         server = SeaweedServer(os.path.join(tmp, "seaweedfs"))
         endpoint = server.start()
-        os.environ.update(AWS_ACCESS_KEY_ID=endpoint.access_key, AWS_SECRET_ACCESS_KEY=endpoint.secret_key,
-                          AWS_DEFAULT_REGION=endpoint.region, AWS_ENDPOINT_URL_S3=endpoint.endpoint_url,
-                          AWS_EC2_METADATA_DISABLED="true")
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "ELASTIC_FT_S3_SSE", "ELASTIC_FT_S3_SSE_KMS_KEY_ID"):
-            os.environ.pop(name, None)
+        use_server(endpoint)
         print(f"SeaweedFS at {endpoint.endpoint_url}; {os.cpu_count()} CPUs; load average "
               f"{os.getloadavg()[0]:.1f}; object {size / MB:.0f} MB; ranged GETs of "
               f"{options.download_part_size / MiB:g} MiB, {options.max_concurrency} in flight", flush=True)
