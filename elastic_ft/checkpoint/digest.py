@@ -70,6 +70,10 @@ def blob_sha256(data: Data, chunk_size: int, *, threads: int = 1) -> str:
         return _compose(pool.map(chunk, offsets))
 
 
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads that hash one file with :func:`file_blob_sha256` (its chunks are independent)."""
+
+
 def file_blob_sha256(fd: int, offset: int, size: int, chunk_size: int, *, threads: int = 1) -> str:
     """The digest (as :func:`blob_sha256`) of the ``size`` bytes of the open file ``fd`` from ``offset``.
 

@@ -18,10 +18,15 @@ from __future__ import annotations
 import os
 
 
-def file_stamp(path: str) -> list[int]:
-    """``[size, mtime_ns, ctime_ns, inode, device]`` of ``path`` (a list: it is compared with JSON-loaded ones)."""
-    st = os.stat(path)
+def stat_stamp(st: os.stat_result) -> list[int]:
+    """``[size, mtime_ns, ctime_ns, inode, device]`` of a stat result (a list: it is compared with JSON-loaded
+    ones)."""
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
-__all__ = ["file_stamp"]
+def file_stamp(path: str) -> list[int]:
+    """:func:`stat_stamp` of the file at ``path``."""
+    return stat_stamp(os.stat(path))
+
+
+__all__ = ["file_stamp", "stat_stamp"]

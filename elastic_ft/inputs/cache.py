@@ -48,7 +48,7 @@ import socket
 import time
 from collections.abc import Iterator
 
-from elastic_ft.checkpoint.digest import file_blob_sha256
+from elastic_ft.checkpoint.digest import HASH_THREADS, file_blob_sha256
 from elastic_ft.checkpoint.s3.errors import ObjectChanged
 from elastic_ft.checkpoint.errors import StoreUnavailable
 from elastic_ft.checkpoint.stamp import file_stamp
@@ -81,10 +81,6 @@ class Fetched:
 
     path: str
     fetched: list[str]
-
-
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Threads that hash a cached file whose stamp moved (chunked digest: the chunks are independent)."""
 
 
 class InputCache:
@@ -143,14 +139,16 @@ class InputCache:
         for rel in stale_files(_local_files(entry), (o.rel for o in objects)):
             os.remove(os.path.join(entry, rel))  # strays: temp files of a killed fetch, files gone from S3
             records.pop(rel, None)
-        todo = []
+        todo, restamped = [], False
         for obj in objects:
             reason, checked = self._check(entry, obj, records.get(obj.rel))
             if reason:
                 todo.append((obj, reason))
             elif checked is not None:  # hashed again and intact: stamped as it is now
                 records[obj.rel] = checked
-                _write_records(entry + ".json", loc.uri, records)
+                restamped = True
+        if restamped:  # one write for every file hashed again (a copied model directory: all of them)
+            _write_records(entry + ".json", loc.uri, records)
         _check_space(entry, loc.uri, sum(o.size for o, _ in todo))
         for obj, reason in todo:
             log.info("fetching s3://%s/%s (%d bytes): %s", loc.bucket, obj.key, obj.size, reason)
@@ -252,14 +250,16 @@ def _stamp_or_none(path: str) -> list[int] | None:
 
 
 def _file_digest(path: str, record: Record) -> str | None:
-    """The digest of the file at ``path`` as ``record``'s was taken (None: it could not be read whole)."""
+    """The digest of the file at ``path`` as ``record``'s was taken (None: it is gone or shorter than
+    recorded). A read error (EIO, a network filesystem's hiccup) is raised, never taken for a changed
+    file: that would throw a verified copy away and fetch it again whole on a fault that may pass."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except FileNotFoundError:
         return None
     try:
         return file_blob_sha256(fd, 0, record.size, record.chunk_size, threads=HASH_THREADS)
-    except (OSError, ValueError):
+    except ValueError:  # shorter than recorded
         return None
     finally:
         os.close(fd)

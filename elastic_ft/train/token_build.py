@@ -300,7 +300,7 @@ def ensure(world: World, run_store: ObjectStore, run_id: str, cfg: DataConfig, t
     hub, hub_bytes = together(world, "hub dataset's fingerprint", lambda: _hub_fingerprint(cfg, fmt),
                                leader_only=True) if cfg.dataset else ("", 0)
     # The leader's size: every rank's group gets the same timeout (a node with other files stops below).
-    input_bytes = broadcast_from_leader(world, _input_bytes(cfg) + hub_bytes)
+    input_bytes = broadcast_from_leader(world, _input_bytes(cfg) + hub_bytes if world.is_leader else None)
     with exchange_group(world, input_bytes) as group:
         return _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group, t0)
 

@@ -32,10 +32,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from elastic_ft.checkpoint.digest import CHUNK_SIZE, file_blob_sha256
+from elastic_ft.checkpoint.digest import CHUNK_SIZE, HASH_THREADS, file_blob_sha256
 from elastic_ft.checkpoint.errors import BlobMismatch, ObjectNotFound
 from elastic_ft.checkpoint.manifest import BlobRef
-from elastic_ft.checkpoint.stamp import file_stamp
+from elastic_ft.checkpoint.stamp import file_stamp, stat_stamp
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.checkpoint.writer import CheckpointWriter
 from elastic_ft.config import DataConfig
@@ -171,7 +171,7 @@ def verify_file(path: str, refs: list[BlobRef]) -> str | None:
         for ref in refs:
             try:
                 actual = file_blob_sha256(fd, offset, ref.size, ref.chunk_size or CHUNK_SIZE,
-                                          threads=max(1, min(4, os.cpu_count() or 1)))
+                                          threads=HASH_THREADS)
             except ValueError as exc:
                 return f"{path}: {exc}"
             if actual != ref.sha256:
@@ -291,8 +291,7 @@ def _fetch(store: ObjectStore, manifest, pieces: dict[str, list[BlobRef]], final
         entry = progress.get(name)
         done, stamp = entry if isinstance(entry, list) and len(entry) == 2 else (0, None)
         try:
-            st = os.stat(path)
-            same = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == stamp
+            same = file_stamp(path) == stamp
         except OSError:
             same = False
         done = done if same and isinstance(done, int) and 0 <= done <= len(refs) else 0
@@ -311,8 +310,7 @@ def _fetch(store: ObjectStore, manifest, pieces: dict[str, list[BlobRef]], final
                     raise StoreTorn(str(exc)) from exc
                 f.flush()
                 os.fsync(f.fileno())
-                st = os.fstat(f.fileno())
-                progress[name] = [n + 1, [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]]
+                progress[name] = [n + 1, stat_stamp(os.fstat(f.fileno()))]
                 tmp = f"{record}.tmp"
                 with open(tmp, "w", encoding="utf-8") as out:
                     json.dump(progress, out)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
+import pytest
 
 from elastic_ft.inputs.plan import RECORD_VERSION, Record, digest_needed, records_from_json, records_to_json
 
@@ -40,3 +43,27 @@ def test_a_malformed_file_record_is_dropped_and_only_that_file_fetched_again():
     }}
     assert set(records_from_json(doc)) == {"good"}
     assert records_from_json({"version": 99, "files": doc["files"]}) == {}
+
+
+def test_a_read_error_while_rehashing_a_cached_file_is_raised_not_taken_for_a_changed_file(tmp_path, monkeypatch):
+    """A cached input whose stamp moved is hashed again; an EIO there must stop the start with the error,
+    not count as "digest differs", which throws the verified copy away and fetches it again whole."""
+    import errno
+
+    from elastic_ft.checkpoint.digest import blob_sha256
+    from elastic_ft.inputs import cache
+    from elastic_ft.inputs.plan import Record
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x" * 100)
+    record = Record(etag="e", size=100, sha256=blob_sha256(b"x" * 100, 0), chunk_size=0)
+    assert cache._file_digest(str(path), record) == record.sha256
+    assert cache._file_digest(str(path), dataclasses.replace(record, size=200)) is None  # shorter than recorded
+    assert cache._file_digest(str(tmp_path / "gone"), record) is None
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cache, "file_blob_sha256", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        cache._file_digest(str(path), record)
