@@ -34,6 +34,8 @@ WINDOW = 64
 interruption rate changes over hours), and a restart's reads stay bounded however long the run."""
 
 CLEAN_EXITS = ("end", "preempted", "aborted")
+"""The last events of an attempt that ended as it chose (not a loss): ``elastic-ft status`` counts the
+others as cut short, and ``every_steps: auto`` as losses."""
 
 
 @dataclasses.dataclass(frozen=True)

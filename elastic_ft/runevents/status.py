@@ -11,11 +11,11 @@ import dataclasses
 import datetime
 import math
 
+from elastic_ft.runevents.attempt_history import CLEAN_EXITS
 from elastic_ft.runevents.goodput import CATEGORIES, LABELS, attribute
 from elastic_ft.runevents.merge import latest_steps
 from elastic_ft.runevents.schema import valid
 
-_CLEAN_ENDS = ("end", "preempted", "aborted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _interruptions(events: list[dict]) -> list[str]:
     counts = {name: [e for e in events if e.get("event") == name] for name in ("rescale", "preempted", "node_lost")}
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     # An attempt whose last event is not a clean exit and that another attempt followed was killed or lost.
-    cut = sum(1 for i, j in zip(starts, starts[1:]) if events[j - 1].get("event") not in _CLEAN_ENDS)
+    cut = sum(1 for i, j in zip(starts, starts[1:]) if events[j - 1].get("event") not in CLEAN_EXITS)
     # A SIGTERM may be a stop or torchrun restarting the workers for a node that joins: not always a preemption.
     sigterm = sum(1 for e in counts["preempted"] if e.get("notice") == "sigterm")
     lines = [f"attempts: {len(starts)}; rescales: {len(counts['rescale'])}; preemptions: "

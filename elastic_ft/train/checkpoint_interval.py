@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import math
 
-from elastic_ft.checkpoint.errors import StoreError
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.config import CheckpointConfig
 from elastic_ft.config.limits import MAX_STEPS
@@ -135,12 +134,13 @@ class AutoInterval:
 
     def start(self, store: ObjectStore, attempt: int, now: float) -> None:
         """The leader, at a (re)start: read the run's earlier attempts from ``store`` (the run's location) and
-        :meth:`begin` with them; a store that cannot answer (after its own retries) leaves the prior, logged."""
+        :meth:`begin` with them; a read that fails (a store that cannot answer after its own retries, an object
+        it cannot use) leaves the prior, logged: the interval is advice, and the next restart reads again."""
         if not (self.enabled and self.leader):
             return
         try:
             history = read_history(store, attempt)
-        except StoreError as exc:  # an interval is no irreversible decision: the next restart reads again
+        except Exception as exc:  # noqa: BLE001 - advice only: no read (store, a malformed object) may stop a start
             log.warning("checkpoint interval: the run's earlier attempts could not be read (%s); assuming no loss "
                         "so far (checkpoint.auto_mtbf_s)", exc)
             history = AttemptHistory()

@@ -242,3 +242,21 @@ def test_history_read_from_a_real_store(tmp_path):
         assert read_history(store, current, window=1).losses == 0  # the newest attempt only: it finished
     finally:
         store.close()
+
+
+def test_an_earlier_attempt_that_cannot_be_read_leaves_the_prior_and_the_start_goes_on(tmp_path):
+    """The interval is advice: an earlier attempt's object that the history read cannot use (here a claim time
+    no float holds) must not stop a start, nor every restart after it; the prior stands."""
+    from elastic_ft.checkpoint.store import open_store
+    from elastic_ft.runevents.layout import attempt_key, claim_attempt
+
+    store = open_store(f"file://{tmp_path}/run")
+    try:
+        earlier = claim_attempt(store)
+        store.put(attempt_key(earlier), b'{"claimed": 1' + b"0" * 400 + b"}")  # float() overflows
+        current = claim_attempt(store)
+        a, _ = auto(auto_mtbf_s=3600.0)
+        a.start(store, current, now=0.0)
+        assert a.propose(1.0, 0.1, 0.01) == round(math.sqrt(2 * 0.01 * 3600) / 0.1)  # the prior's interval
+    finally:
+        store.close()
