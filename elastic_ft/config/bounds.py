@@ -22,12 +22,17 @@ class Bound:
     hi: float
     lo_open: bool = False
     hi_open: bool = False
+    words: tuple[str, ...] = ()
+    """Named choices the field takes besides a number (``checkpoint.every_steps: auto``)."""
 
     def __str__(self) -> str:
-        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        interval = f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        return interval + "".join(f" or {word!r}" for word in self.words)
 
-    def contains(self, value: float) -> bool:
+    def contains(self, value: float | str) -> bool:
         """False for nan too (every comparison with nan is False)."""
+        if isinstance(value, str):
+            return value in self.words
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
         return above and below
@@ -44,7 +49,7 @@ def show_value(value: Any) -> str:
 def out_of_range(obj: Any, limits: dict[str, Bound]) -> list[tuple[str, str]]:
     """(field, message) for every dotted field of ``obj`` outside its bound.
 
-    None values, strings (a named choice: ``auto``) and fields under a None section (``lora: null``) are skipped;
+    None values and fields under a None section (``lora: null``) are skipped;
     a list field is checked item by item (``optimizer.betas[1]``).
     """
     out = []
@@ -54,8 +59,7 @@ def out_of_range(obj: Any, limits: dict[str, Bound]) -> list[tuple[str, str]]:
             value = getattr(value, part) if value is not None else None
         values = enumerate(value) if isinstance(value, list) else [(None, value)]
         for i, v in values:
-            # A string here is a numeric field's named choice (checkpoint.every_steps: auto), which its type checked.
-            if v is not None and not isinstance(v, str) and not bound.contains(v):
+            if v is not None and not bound.contains(v):
                 where = field if i is None else f"{field}[{i}]"
                 out.append((where, f"must be in {bound}, got {show_value(v)}"))
     return out

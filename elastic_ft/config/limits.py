@@ -38,7 +38,7 @@ LIMITS: dict[str, Bound] = {
     "steps": Bound(1, MAX_STEPS),
     "epochs": Bound(0.0, 1e6, lo_open=True),
     "seed": Bound(0, 2**32 - 1),  # numpy's SeedSequence refuses negatives; torch seeds need headroom
-    "checkpoint.every_steps": Bound(1, MAX_STEPS),
+    "checkpoint.every_steps": Bound(1, MAX_STEPS, words=("auto",)),
     "checkpoint.every_seconds": Bound(0.0, 1e8, lo_open=True),
     "checkpoint.auto_mtbf_s": Bound(60.0, 1e8),
     "checkpoint.keep_last": Bound(*RETENTION_RANGES["keep_last"]),

@@ -120,9 +120,7 @@ def validate(spec: JobSpec, *, check_files: bool = True) -> list[tuple[str, str]
          f"applies to parallelism.strategy fsdp only (it is {par.strategy}); remove it or set the strategy to fsdp")
     p.extend(_eval_problems(spec))
     p.extend(_lora_problems(spec, check_files))
-    # checkpoint.every_steps also takes 'auto': its range error says so (one line naming every choice).
-    p.extend((f, m.replace(", got", " or 'auto', got", 1) if f == "checkpoint.every_steps" else m)
-             for f, m in out_of_range(spec, LIMITS))
+    p.extend(out_of_range(spec, LIMITS))
     reported = {field for field, _ in p}
     # The store's own rules (threshold >= part size, the SSE pair): checked again, with the
     # environment's values, when the store opens; here before any work, naming the field.
