@@ -179,8 +179,12 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         assert self._liveness is not None
         try:
             self._liveness.refresh()
+            # This node's own keys (its round's store keys) are on its client's lease, which writes kept
+            # alive while heartbeats were writes.
+            self._client.keep_alive()
             now = time.monotonic()
-            if self._state_lease and now - self._state_lease_kept > self._client.settings.lease_ttl / 4:
+            if (self._state_lease and self._state_lease != self._client.lease_id
+                    and now - self._state_lease_kept > self._client.settings.lease_ttl / 4):
                 self._client.keep_lease_alive(self._state_lease)
                 self._state_lease_kept = now
         except EtcdClientError as exc:

@@ -174,5 +174,10 @@ def test_the_state_key_outlives_its_lease_ttl_while_nodes_send_keep_alives(etcd,
             assert state_revision(etcd.endpoint, run_id) == before  # (fails if the key is gone)
             assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
             time.sleep(0.5)
+        # Each node's own client lease (its round's store keys) is kept alive by its keep-alives too, as
+        # its writes kept it before keep-alives were leases.
+        for h in handlers:
+            lease = h.etcd_client.lease_id
+            assert lease is not None and h.etcd_client.lease_remaining_ttl(lease) > 0, lease
     finally:
         close_all(handlers)

@@ -15,7 +15,7 @@ from typing import Sequence
 from . import kv, watch, wire
 from .failover import Failover, Outage
 from .kv import KeyValue
-from .lease import KeyLease, Lease
+from .lease import KeyLease, Lease, keep_alive
 from .settings import ConnectionSettings, Endpoint
 
 
@@ -166,13 +166,12 @@ class EtcdClient:
 
     def keep_lease_alive(self, lease_id: int) -> int:
         """Refresh ``lease_id`` (any client's) once; its TTL now, 0 or less if it is gone."""
-        request = wire.message("LeaseKeepAliveRequest", ID=lease_id)
+        return self._failover.call("lease keep-alive", lambda session: keep_alive(session, lease_id))
 
-        def call(session):  # type: ignore[no-untyped-def]
-            responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
-            return int(responses[-1].TTL) if responses else 0
-
-        return self._failover.call("lease keep-alive", call)
+    def keep_alive(self) -> None:
+        """Keep this client's own lease (its written keys) alive: one keep-alive once a quarter of
+        ``lease_ttl`` at most, a new lease if it expired (see :class:`~.lease.Lease`)."""
+        self._lease.call("lease keep-alive", lambda session, lease_id: lease_id)
 
     def key_lease(self, key: str, ttl: int) -> KeyLease:
         """A lease of its own for ``key`` with ``ttl`` seconds: the key exists while it is refreshed."""

@@ -1,10 +1,12 @@
 """This client's lease: every key it writes is attached to it.
 
 The keys of a run whose agents are all gone expire ``lease_ttl`` seconds after
-the last write. Writes by live agents (heartbeats every few seconds) keep the
-lease alive: it is refreshed (one keep-alive) when a write finds it older than
-a quarter of the TTL, which bounds the extra calls. A lease that expired
-anyway (etcd down longer than the TTL) is replaced once per write.
+the last write. Live agents keep the lease alive: a write, or a heartbeat
+(:meth:`~elastic_ft.rendezvous.etcd.EtcdClient.keep_alive`: heartbeats are
+liveness leases, not writes, see :class:`KeyLease`), refreshes it (one
+keep-alive) when it is older than a quarter of the TTL, which bounds the extra
+calls. A lease that expired anyway (etcd down longer than the TTL) is replaced
+once per write.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from .failover import Failover
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def keep_alive(session: Any, lease_id: int) -> int:
+    """One LeaseKeepAlive of ``lease_id`` on ``session``: its TTL now, 0 or less if it is gone."""
+    request = wire.message("LeaseKeepAliveRequest", ID=lease_id)
+    responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
+    return int(responses[-1].TTL) if responses else 0
+
+
+def revoke(failover: Failover, lease_id: int) -> None:
+    """Revoke ``lease_id`` now, deleting every key attached to it."""
+    request = wire.message("LeaseRevokeRequest", ID=lease_id)
+    failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
 
 
 class Lease:
@@ -49,9 +64,7 @@ class Lease:
                 self._id = int(response.ID)
                 self._refreshed_at = now
             elif now - self._refreshed_at > ttl / 4:
-                request = wire.message("LeaseKeepAliveRequest", ID=self._id)
-                responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
-                if not responses or responses[-1].TTL <= 0:
+                if keep_alive(session, self._id) <= 0:
                     raise LeaseGone()
                 self._refreshed_at = now
             return self._id
@@ -82,8 +95,7 @@ class Lease:
         with self._failover.lock:
             lease_id, self._id = self._id, None
         if lease_id is not None:
-            request = wire.message("LeaseRevokeRequest", ID=lease_id)
-            self._failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
+            revoke(self._failover, lease_id)
 
 
 class KeyLease:
@@ -117,9 +129,7 @@ class KeyLease:
 
         lease_id = self._id
         if lease_id is not None:
-            request = wire.message("LeaseKeepAliveRequest", ID=lease_id)
-            responses = list(session.responses(wire.LEASE_KEEP_ALIVE, request))
-            if responses and responses[-1].TTL > 0:
+            if keep_alive(session, lease_id) > 0:
                 return
             log.info("The etcd lease of %s is gone (expired or etcd lost it); granting a new one.", self.key)
         response = session.call(wire.LEASE_GRANT, wire.message("LeaseGrantRequest", TTL=self.ttl))
@@ -131,5 +141,4 @@ class KeyLease:
         """Revoke the lease now, deleting the key (no-op if none was granted)."""
         lease_id, self._id = self._id, None
         if lease_id is not None:
-            request = wire.message("LeaseRevokeRequest", ID=lease_id)
-            self._failover.call("lease revoke", lambda s: s.call(wire.LEASE_REVOKE, request))
+            revoke(self._failover, lease_id)
