@@ -117,6 +117,10 @@ def test_running_job_outlives_etcd_outages_with_data_kept_then_lost(tmp_path, ru
                 wait_for(fresh, 60, "both nodes' heartbeats in etcd after it came back", agents)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\nlast heartbeat ages seen: {fresh.last}") from None
+            # Each agent saw etcd answer again itself before the next outage (the liveness keys can outlive
+            # a restart of etcd, so fresh heartbeats alone do not prove an agent's own call got through).
+            wait_for(lambda: all(a.log.read_text(errors="replace").count("etcd answers again; rendezvous")
+                                 >= 1 + lose_data for a in agents), 60, "each agent seeing etcd again", agents)
         stop_file.touch()  # both outages are behind, and both recoveries checked: the rest proves nothing more
         for agent in agents:
             assert agent.wait(timeout=120) == 0, agent.tail()
