@@ -48,13 +48,19 @@ def main() -> None:
             store, built = data_mod.load_with_report(DataConfig(**json.loads(doc)), byte_tokenizer(), world=world,
                                                      store=store_type(sys.argv[1]), run_id="r")
             if world.is_leader:
-                print(f"identity {built.identity} built {built.built} samples {len(store)} restart {restart}",
-                      flush=True)
+                say(f"identity {built.identity} built {built.built} samples {len(store)} restart {restart}")
     except Exception as exc:  # noqa: BLE001 - the worker's way out: one line, then leave together
-        print(f"rank {world.rank} error: {type(exc).__name__}: {exc}", flush=True)
+        say(f"rank {world.rank} error: {type(exc).__name__}: {exc}")
         settle(world, timedelta(seconds=20))
         exit_process(2)
     close_world(world)
+
+
+def say(line: str) -> None:
+    # One write per line: both ranks share torchrun's stdout pipe, and print() writes the text and its newline
+    # separately, so two ranks failing together interleaved their lines (CI saw "...tokens'rank 0 error: ...").
+    # A write under PIPE_BUF bytes to a pipe is atomic.
+    os.write(1, (line + "\n").encode())
 
 
 if __name__ == "__main__":
