@@ -106,5 +106,53 @@ def finish(code: int) -> None:
     exit_process(code)
 
 
+def warm_preload(variant: str) -> None:
+    """What the node's warm process (:mod:`elastic_ft.warm`) imports before it forks workers: every library a
+    worker's start imports, and the model classes of the architectures fine-tuned most, so a forked worker
+    starts with them in place. ``variant``: ``4bit`` keeps bitsandbytes importable (a Q-LoRA run needs it),
+    ``plain`` keeps it out, as a cold worker of such a run does (:func:`keep_bitsandbytes_out`)."""
+    import importlib
+
+    from elastic_ft.config import QuantizationConfig
+    from elastic_ft.train.quantization import keep_bitsandbytes_out
+
+    if variant != "4bit":
+        keep_bitsandbytes_out(QuantizationConfig())
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional library, or an architecture this transformers lacks: imported at need
+            pass
+
+
+_PRELOAD = (
+    "elastic_ft.train.loop", "elastic_ft.train.build", "elastic_ft.train.model", "elastic_ft.train.heldout",
+    "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+    "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_fast",
+    "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.mistral.modeling_mistral", "transformers.models.gpt2.modeling_gpt2",
+    "peft", "peft.tuners.lora", "tokenizers", "safetensors.torch", "boto3", "botocore.session",
+)
+
+
+def _warm_variant(argv: list[str]) -> str:
+    """Which preload this command needs: ``4bit`` when its spec quantizes the base. A spec that does not
+    load is the worker's to report (in the fork, as a cold start would)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(p)
+    try:
+        args, _ = p.parse_known_args(argv)
+        return "4bit" if load_spec(args.spec, args.overrides).quantization.load_in_4bit else "plain"
+    except (Exception, SystemExit):  # noqa: BLE001 - whatever it is, the worker itself says it
+        return "plain"
+
+
 if __name__ == "__main__":
+    from elastic_ft.handoff import launch
+
+    if not launch.forked_warm():  # in the fork this module runs again as __main__: run the job there
+        from elastic_ft.warm import client
+
+        client.run("elastic_ft.worker", f"elastic_ft.worker:warm_preload:{_warm_variant(sys.argv[1:])}")
     finish(main(own_process=True))

@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from elastic_ft.checkpoint.errors import ObjectExists, ObjectNotFound, StoreError
+from elastic_ft.handoff import launch
 from elastic_ft.checkpoint.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def job_identity(environ: Mapping[str, str] | None = None, *, pid: int | None = 
     if rdzv_id and rdzv_id != "none":
         return f"torchrun:{rdzv_id}"
     if rdzv_id:
-        return f"torchrun:none@{host}:{parent or os.getppid()}"
+        return f"torchrun:none@{host}:{parent or launch.agent_pid()}"
     return f"process:{host}:{pid or os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 

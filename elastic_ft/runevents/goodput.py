@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import Mapping
 
+from elastic_ft.handoff import launch
 from elastic_ft.runevents.schema import valid
 
 CATEGORIES = ("kept", "redone", "checkpoint", "restart", "loading")
@@ -186,10 +187,13 @@ def process_start_time(pid: int | str = "self") -> float | None:
 
 
 def start_fields() -> dict:
-    """What the ``start`` event records for goodput: this process's start, and its torchrun agent's."""
+    """What the ``start`` event records for goodput: this process's start, its torchrun agent's, and whether
+    the node's warm process forked it (:mod:`elastic_ft.warm`: no imports of its own)."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    return {"process_start": process_start_time(),
-            "agent_start": process_start_time(os.getppid()) if under_torchrun else None}
+    # A warm-forked worker started when torchrun started its launcher: that is the restart's cost.
+    return {"process_start": process_start_time(launch.worker_pid()),
+            "agent_start": process_start_time(launch.agent_pid()) if under_torchrun else None,
+            "warm": launch.forked_warm()}
 
 
 def find_events(path: str, environ: Mapping[str, str] | None = None) -> str:

@@ -36,6 +36,7 @@ from elastic_ft.checkpoint.save_errors import SaveFailed
 from elastic_ft.config import SpotConfig
 from elastic_ft.runevents.events import EventLog
 from elastic_ft.spot.imds import ImdsClient
+from elastic_ft.handoff import launch
 from elastic_ft.handoff.leave_marker import RECLAIM_EXIT_CODE, LeaveMarker, marker_for_worker, peer_lost, write_marker
 from elastic_ft.spot.policy import Decision, PolicySettings, Situation, decide, leaving_nodes
 from elastic_ft.spot.watcher import LEVEL_LEAVE, LEVEL_NONE, Notice, NoticeBoard, SigtermHandler, Watcher, install_sigterm
@@ -203,7 +204,7 @@ class Preemption:
         self.watcher: Watcher | None = None
         self.sigterm: SigtermHandler | None = None
         # This worker's channel to its agent: set by the etcd3 rendezvous only.
-        self.marker = marker_for_worker(os.environ, os.getppid())
+        self.marker = marker_for_worker(os.environ, launch.agent_pid())
         if cfg.enabled:
             client = ImdsClient(endpoint, timeout_s=cfg.imds_timeout_s, token_ttl_s=cfg.token_ttl_s)
             self.watcher = Watcher(self.board, client, interval_s=cfg.poll_interval_s, speaks=world.local_rank == 0)
