@@ -10,7 +10,8 @@ fixed too, so that no two units of a layer can import each other:
 2. ``worker``, ``train`` (the workers);
 3. ``doctor``, ``viz``, ``runevents``, ``spot`` (the workers' notices), ``rendezvous`` (the agent);
 4. ``config``, ``inputs``, ``checkpoint``, ``preflight`` (the node's fast checks);
-5. ``handoff``: what a torchrun agent and its workers exchange, below both.
+5. ``warm`` (the node's warm process and the launcher that asks it for a worker), ``handoff``: what a
+   torchrun agent and its workers exchange, below both.
 
 The package's own ``__init__`` (its version) may be imported from anywhere.
 """
@@ -24,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("worker", "train"),
     ("doctor", "viz", "runevents", "spot", "rendezvous"),
     ("config", "inputs", "checkpoint", "preflight"),
-    ("handoff",),
+    ("warm", "handoff"),
 ]
 ORDER = [unit for layer in LAYERS for unit in layer]
 LAYER_OF = {unit: n for n, layer in enumerate(LAYERS, start=1) for unit in layer}
