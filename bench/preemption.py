@@ -50,7 +50,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402  (after the path set-up above)
 
 from bench import recovery as rec  # noqa: E402
 from elastic_ft.runevents.events import read_events  # noqa: E402
@@ -94,12 +93,9 @@ def trigger(c: BenchCluster, node: Node, kind: str) -> float:
 
 
 def leader_log(c: BenchCluster, events: list[dict], i_start: int, victim: Node) -> Path:
-    """The log of the node whose agent started the new world's leader (the ``start`` event's pid is its
-    child); where that cannot be told any more, the log of a node still running other than ``victim``."""
-    try:
-        agent_pid = psutil.Process(events[i_start]["pid"]).ppid()
-    except psutil.NoSuchProcess:
-        agent_pid = None
+    """The log of the node whose agent started the new world's leader (the ``start`` event names it);
+    where that cannot be told, the log of a node still running other than ``victim``."""
+    agent_pid = events[i_start].get("agent_pid")
     running = [n for n in c.nodes if n is not victim and n.running]
     return next((n.agent.log for n in running if n.agent.pid == agent_pid), running[0].agent.log)
 

@@ -187,12 +187,13 @@ def process_start_time(pid: int | str = "self") -> float | None:
 
 
 def start_fields() -> dict:
-    """What the ``start`` event records for goodput: this process's start, its torchrun agent's, and whether
+    """What the ``start`` event records for goodput: this process's start, its torchrun agent's (and pid), whether
     the node's warm process forked it (:mod:`elastic_ft.warm`: no imports of its own)."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     # A warm-forked worker started when torchrun started its launcher: that is the restart's cost.
     return {"process_start": process_start_time(launch.worker_pid()),
             "agent_start": process_start_time(launch.agent_pid()) if under_torchrun else None,
+            "agent_pid": launch.agent_pid() if under_torchrun else None,
             "warm": launch.forked_warm()}
 
 
