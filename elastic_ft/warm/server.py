@@ -23,7 +23,6 @@ thread that does not exist in the child. Cost: one fork per worker start
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib
 import os
 import random
@@ -48,16 +47,17 @@ _REQUEST_TIMEOUT_S = 10.0
 
 
 class Server:
-    def __init__(self, listener: socket.socket, agent_pid: int, print_: str) -> None:
+    def __init__(self, listener: socket.socket, agent_pid: int, agent_fd: int, print_: str) -> None:
         self.listener = listener
         self.agent_pid = agent_pid
+        self.agent_fd = agent_fd  # a pidfd: readable once the agent exits
         self.print_ = print_
         self.sel = selectors.DefaultSelector()
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (its launcher's connection, pidfd)
 
-    def serve(self, agent_fd: int) -> None:
+    def serve(self) -> None:
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
-        self.sel.register(agent_fd, selectors.EVENT_READ, "agent")
+        self.sel.register(self.agent_fd, selectors.EVENT_READ, "agent")
         while True:
             for key, _ in self.sel.select():
                 if key.data == "agent":
@@ -115,17 +115,22 @@ class Server:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:
-            try:
-                self.sel.close()
-                self.listener.close()
-                for other, pidfd in self.children.values():
-                    other.close()
-                    os.close(pidfd)
-                _become_worker(conn, doc, fds, self.agent_pid)
-            finally:
-                os._exit(70)  # _become_worker never returns; this only covers a failure inside it
-        return pid
+        if pid:
+            return pid
+        try:
+            self.sel.close()
+            self.listener.close()
+            os.close(self.agent_fd)
+            for other, pidfd in self.children.values():
+                other.close()
+                os.close(pidfd)
+            _take_over(doc, fds, self.agent_pid)
+        except BaseException:  # noqa: BLE001 - a fork that cannot become the worker must not serve as us
+            traceback.print_exc()
+            os._exit(70)
+        # Up the warm process's own stack (its received descriptors closed on the way, as in the parent)
+        # to main(), which runs the worker there: so the worker ends as a process started cold does.
+        raise _Forked(conn, doc)
 
     def reap(self, pid: int) -> None:
         conn, pidfd = self.children.pop(pid)
@@ -152,51 +157,43 @@ class Server:
             conn.close()
 
 
-def _become_worker(conn: socket.socket, doc: dict, fds: list[int], agent_pid: int) -> None:
-    """In the fork: take over the launcher's process state, run the module as ``python -m`` would, exit."""
-    code = 1
-    try:
-        os.setsid()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.environ.clear()
-        os.environ.update(doc["env"])
-        os.chdir(doc["cwd"])
-        os.umask(doc["umask"])
-        random.seed()  # else every fork would draw the same numbers from the state imported once
-        sys.argv = list(doc["argv"])
-        launch.adopt(doc["launcher"], agent_pid)
-        conn.settimeout(None)
-        threading.Thread(target=_watch_launcher, args=(conn, doc["launcher"]), name="warm-launcher-watch",
-                         daemon=True).start()
-        try:
-            # As under ``python -m``, the module runs as __main__ only: the copy the preload imported
-            # (it may hold the preload's function) is not the one that runs.
-            sys.modules.pop(doc["module"], None)
-            runpy.run_module(doc["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = _exit_code(exc.code)
-        except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, then status 1
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+class _Forked(Exception):  # noqa: N818 - not an error: the fork's way out of the serving loop
+    def __init__(self, conn: socket.socket, doc: dict) -> None:
+        super().__init__("forked")
+        self.conn = conn
+        self.doc = doc
 
 
-def _exit_code(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)  # sys.exit("message"), as the interpreter does
-    return 1
+def _take_over(doc: dict, fds: list[int], agent_pid: int) -> None:
+    """In the fork: become the launcher's process, as far as a process can from the inside."""
+    os.setsid()  # the group the launcher forwards signals to; killed whole when the launcher is lost
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.environ.clear()
+    os.environ.update(doc["env"])
+    os.chdir(doc["cwd"])
+    os.umask(doc["umask"])
+    if os.isatty(1):  # as the interpreter decides at its start: line-buffered to a terminal
+        sys.stdout.reconfigure(line_buffering=True)
+    # Else every fork would draw the same numbers from the state seeded once, in the warm process.
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = list(doc["argv"])
+    launch.adopt(doc["launcher"], agent_pid)
+
+
+def _run_worker(conn: socket.socket, doc: dict) -> int:
+    """In the fork, on main()'s level: run the module as ``python -m`` does (its SystemExit and its
+    exceptions end this process as they end that one)."""
+    conn.settimeout(None)
+    threading.Thread(target=_watch_launcher, args=(conn, doc["launcher"]), name="warm-launcher-watch",
+                     daemon=True).start()
+    # As under ``python -m``, the module runs as __main__ only: the copy the preload imported (it may
+    # hold the preload's function) is not the one that runs.
+    sys.modules.pop(doc["module"], None)
+    runpy.run_module(doc["module"], run_name="__main__", alter_sys=True)
+    return 0
 
 
 def _watch_launcher(conn: socket.socket, launcher: int) -> None:
@@ -250,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         pass
     listener.bind(args.socket)
     listener.listen(64)
+    forked = None
     try:
-        Server(listener, args.agent_pid, own).serve(agent_fd)
+        Server(listener, args.agent_pid, agent_fd, own).serve()
+    except _Forked as exc:
+        forked = exc
     finally:
-        _remove_files(args.socket)
-    return 0
+        if forked is None:  # the warm process's own end, not a fork's
+            _remove_files(args.socket)
+    return 0 if forked is None else _run_worker(forked.conn, forked.doc)
 
 
 def _remove_files(socket_path: str) -> None:
