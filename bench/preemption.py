@@ -30,9 +30,13 @@ a run without preemptions for as many steps. Printed:
 3. the issue's targets, met or not.
 
     python bench/preemption.py [--events notice,kill,silent] [--interval 60] [--nprocs 1,2]
-                               [--rdzv-conf CONF] [--every-steps N] [--keep]
+                               [--rdzv-conf CONF] [--every-steps N] [--starts warm,cold] [--keep]
 
-The default takes about 6-8 minutes on 2 cores; ``--events
+All of it runs once per ``--starts`` mode: workers forked warm by the node's
+warm process (elastic_ft.warm, the default), then cold (ELASTIC_FT_WARM_START=0:
+every worker imports everything itself, the code path before warm starts), so
+the two columns are measured on the same machine in the same run. Each mode
+takes about 6-8 minutes on 2 cores; ``--events
 notice,kill,silent,sigterm,notice,kill`` runs longer.
 """
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shutil
 import signal
 import sys
@@ -54,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 from bench import recovery as rec  # noqa: E402
 from elastic_ft.runevents.events import read_events  # noqa: E402
 from elastic_ft.runevents.goodput import CATEGORIES, LABELS, Goodput, attribute  # noqa: E402
+from elastic_ft.warm.protocol import SWITCH_ENV  # noqa: E402
 from tests.chaos.cluster import Cluster, Node, wait_until  # noqa: E402
 from tests.rendezvous.etcd_server import EtcdServer  # noqa: E402
 
@@ -285,7 +291,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rdzv-conf", default="", help="torchrun --rdzv-conf (default: none, the product's defaults)")
     p.add_argument("--every-steps", type=int, default=None, help="checkpoint.every_steps (default: the spec's)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, events) and print it")
+    p.add_argument("--starts", default="warm,cold",
+                   help="worker starts to measure, in turn: warm (forked by the node's warm process, the "
+                        "default), cold (each worker imports everything itself, as before; "
+                        f"{SWITCH_ENV}=0)")
     args = p.parse_args(argv)
+    args.starts = [s.strip() for s in args.starts.split(",") if s.strip()]
+    if not args.starts or set(args.starts) - {"warm", "cold"}:
+        p.error(f"--starts: {args.starts}: give warm, cold or both")
     args.events = [e.strip() for e in args.events.split(",") if e.strip()]
     bad = [e for e in args.events if e not in KINDS]
     if bad or not args.events:
@@ -309,13 +322,20 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-preemption-"))
     etcd = EtcdServer(root / "etcd").start()
     try:
-        print(f"run with preemptions: {', '.join(args.events)}, every {args.interval:.0f} s", flush=True)
-        events, done = run_with_preemptions(args, etcd, root)
-        steps = max((e["step"] for e in events if e["event"] == "step_done"), default=0)
-        print(f"run without preemptions: {steps} steps", flush=True)
-        base = run_without(args, etcd, root, steps)
+        reports = []
+        for start in args.starts:
+            # Every agent started from here on inherits it (tests/rendezvous/agents.py copies os.environ).
+            os.environ[SWITCH_ENV] = "1" if start == "warm" else "0"
+            print(f"[{start} worker starts] run with preemptions: {', '.join(args.events)}, "
+                  f"every {args.interval:.0f} s", flush=True)
+            events, done = run_with_preemptions(args, etcd, root / start)
+            steps = max((e["step"] for e in events if e["event"] == "step_done"), default=0)
+            print(f"[{start} worker starts] run without preemptions: {steps} steps", flush=True)
+            base = run_without(args, etcd, root / start, steps)
+            reports.append(f"=== {start} worker starts ({SWITCH_ENV}={os.environ[SWITCH_ENV]})\n"
+                           + report(args, events, done, base))
         print()
-        print(report(args, events, done, base))
+        print("\n\n".join(reports))
     finally:
         etcd.stop()
         if args.keep:

@@ -59,8 +59,11 @@ class ProtocolError(Exception):
 
 
 def enabled(environ: dict | os._Environ = os.environ) -> bool:
-    """Whether warm starts may be tried here: Linux (pids, /proc, fd passing) and not switched off."""
-    return sys.platform.startswith("linux") and environ.get(SWITCH_ENV, "1") != "0"
+    """Whether warm starts may be tried here: a worker torchrun started (the warm process lives as long as
+    its agent: a process started by anything else, a test runner or a shell, would keep one for its whole
+    life), on Linux (pids, /proc, descriptor passing), not switched off."""
+    return ("TORCHELASTIC_RUN_ID" in environ and sys.platform.startswith("linux")
+            and environ.get(SWITCH_ENV, "1") != "0")
 
 
 def private_dir() -> str | None:

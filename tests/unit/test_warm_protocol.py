@@ -93,6 +93,8 @@ def test_the_private_directory_is_made_0700_and_refused_when_open_to_others_or_a
     assert protocol.private_dir() is None
 
 
-def test_switched_off_or_not_linux_is_not_enabled(monkeypatch):
-    assert protocol.enabled({}) == os.uname().sysname.lower().startswith("linux")
-    assert not protocol.enabled({protocol.SWITCH_ENV: "0"})
+def test_only_torchruns_workers_on_linux_not_switched_off_are_enabled():
+    under_torchrun = {"TORCHELASTIC_RUN_ID": "r"}
+    assert protocol.enabled(under_torchrun) == os.uname().sysname.lower().startswith("linux")
+    assert not protocol.enabled({**under_torchrun, protocol.SWITCH_ENV: "0"})
+    assert not protocol.enabled({})  # a worker started by a shell or a test runner: no agent to live with

@@ -1,4 +1,4 @@
-"""A stand-in for a torchrun agent: ``python -m tests.warm.agent CMD... [-- CMD...]`` runs each command in turn
+"""A stand-in for a torchrun agent: ``python -m tests.warm.agent [--no-hold] CMD... [-- CMD...]`` runs each command in turn
 as its child (as torchrun starts a worker: a session of its own), and exits with the last one's status once it
 reads a line on stdin (or at once with ``--no-hold``). Its warm process lives as long as it does."""
 

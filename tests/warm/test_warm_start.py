@@ -38,7 +38,8 @@ class Agent:
         argv = [] if hold else ["--no-hold"]
         for i, cmd in enumerate(commands):
             argv += (["--"] if i else []) + cmd
-        self.env = process_env(XDG_RUNTIME_DIR=runtime_dir, PYTHONPATH=REPO, **env)
+        # TORCHELASTIC_RUN_ID: as torchrun sets it for its workers (warm starts are for those only).
+        self.env = process_env(XDG_RUNTIME_DIR=runtime_dir, PYTHONPATH=REPO, TORCHELASTIC_RUN_ID="stand-in", **env)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm.agent", *argv],
                                      cwd=cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, bufsize=0)
