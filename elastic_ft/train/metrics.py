@@ -56,8 +56,12 @@ class StepResult:
 class Metrics:
     """The steps not reported yet, and what reporting them needs (the run's length, its start, its last loss)."""
 
-    def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int) -> None:
+    def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int,
+                 ledger_at_once: bool = False) -> None:
         self.world, self.events = world, events
+        self.ledger_at_once = ledger_at_once
+        """Each step's ledger is written when the step ends, not at the next report: a run that keeps each
+        step in memory may resume from any step, and the ledger must hold every step before it."""
         self.total_steps, self.every_steps = total_steps, every_steps
         self.last_loss: float | None = None
         """The global loss of the newest reported (not skipped) step; None before any."""
@@ -75,6 +79,9 @@ class Metrics:
         if self._first is None:
             self._first = (result.step, result.t_end)
         result.eta_s = eta_seconds(*self._first, result.step, result.t_end, self.total_steps)
+        if self.ledger_at_once and result.consumed is not None:
+            self.events.emit("ledger", quiet=True, step=result.step - 1, samples=result.consumed)
+            result.consumed = None
         self._unreported.append(result)
         if result.step % self.every_steps == 0 or result.step == self.total_steps:
             self.flush()
