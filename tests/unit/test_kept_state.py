@@ -62,8 +62,9 @@ def test_the_newest_step_reads_back_exactly_and_older_files_are_gone(directory):
         assert set(got[group]) == set(last[group])
         for k, t in last[group].items():
             assert got[group][k].dtype == t.dtype and torch.equal(got[group][k], t), k
-    # One data file (the newest) and its sidecar; no temp file left.
-    assert sorted(os.listdir(directory)) == sorted([f"{name}.json", f"{name}-5.safetensors"])
+    # The sidecar and the keeper's two slots; no temp file left.
+    assert sorted(os.listdir(directory)) == sorted([f"{name}.json", f"{name}-{os.getpid()}-0.safetensors",
+                                                    f"{name}-{os.getpid()}-1.safetensors"])
 
 
 def test_nothing_kept_is_none_with_a_reason(directory):
@@ -74,12 +75,12 @@ def test_nothing_kept_is_none_with_a_reason(directory):
 def test_a_torn_or_altered_file_is_refused(directory):
     name = kept_name(RUN, "1.2")
     keep_steps(directory, name, range(1, 3))
-    data = os.path.join(directory, f"{name}-2.safetensors")
+    data = os.path.join(directory, json.loads(open(os.path.join(directory, f"{name}.json")).read())["file"])
     raw = bytearray(open(data, "rb").read())
     raw[-1] ^= 0xFF  # the same size, one byte flipped
     open(data, "wb").write(raw)
     held, why = read_kept(directory, name, run_id=RUN, config_hash=CONFIG)
-    assert held is None and "does not match its sidecar's sha256" in why
+    assert held is None and "does not match its sidecar's checksum" in why
     open(data, "wb").write(raw[:-10])  # torn: cut short
     held, why = read_kept(directory, name, run_id=RUN, config_hash=CONFIG)
     assert held is None and "bytes, its sidecar says" in why
