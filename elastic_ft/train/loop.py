@@ -119,7 +119,8 @@ class Trainer:
             # Each completed step kept node-locally (checkpoint.keep_step_in_memory), for the resume after a
             # membership change; closed (the write in flight finished) with the rest on an error.
             self.peers = PeerState(world, run_id=opts.run_id, config_hash=self._config_hash,
-                                   enabled=spec.checkpoint.keep_step_in_memory, strategy=spec.parallelism.strategy)
+                                   enabled=spec.checkpoint.keep_step_in_memory, strategy=spec.parallelism.strategy,
+                                   events=self.events)
             opened.callback(self.peers.close, ended=False)
             self._kept_fields: dict | None = None
             self.metrics = Metrics(world, self.events, total_steps=self.total_steps,

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from elastic_ft.checkpoint.manifest import Manifest, step_of_key
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, list_manifests
 from elastic_ft.checkpoint.store import ObjectStore
+from elastic_ft.runevents.events import EventLog
 from elastic_ft.train import kept_state
 from elastic_ft.train.kept_state import KeptState, Keeper
 from elastic_ft.train.restore import Restorer, describe_error
@@ -42,6 +43,9 @@ from elastic_ft.train.resume_source import (
 from elastic_ft.train.world import World, broadcast_from_leader, gather_from_all
 
 log = logging.getLogger(__name__)
+
+SHM_SHARE = 0.5
+"""The share of the kept-state directory's free space (node memory, for ``/dev/shm``) two slots may take."""
 
 
 def under_agent() -> bool:
@@ -53,8 +57,9 @@ class PeerState:
     """This rank's side of keeping steps and resuming from them (see the module); :meth:`close` ends it."""
 
     def __init__(self, world: World, *, run_id: str, config_hash: str, enabled: bool, strategy: str,
-                 directory: str | None = None) -> None:
-        self.world, self.run_id, self.config_hash = world, run_id, config_hash
+                 directory: str | None = None, events: EventLog | None = None) -> None:
+        self.world, self.run_id, self.config_hash, self.events = world, run_id, config_hash, events
+        self._sized = False
         self.enabled, self.strategy = enabled, strategy
         # Every rank of a job has the same spec and launcher: all agree on whether the exchange happens.
         self.active = enabled and strategy != "fsdp" and under_agent()
@@ -81,8 +86,30 @@ class PeerState:
         """The keeping rank: keep ``step``'s state (host tensors by group); a no-op on every other rank."""
         if self.keeper is None:
             return
+        if not self._sized:
+            self._sized = True
+            why = self.room_for(tensors)
+            if why is not None:  # e.g. a full fine-tune's state: this node resumes from commits only
+                log.warning("this node keeps no step in memory: %s", why)
+                if self.events is not None:
+                    self.events.emit("kept_state_off", reason=why)
+                self.keeper.close(discard_files=True)
+                self.keeper = None
+                return
         self.keeper.keep(tensors, {**self._static, "step": step, "cursor": cursor, "created": time.time(),
                                    **manifest, "documents": documents})
+
+    def room_for(self, tensors: dict[str, dict[str, torch.Tensor]]) -> str | None:
+        """None if two slots of ``tensors`` fit in the kept-state directory's free space with half of it to spare
+        (it is memory: the training needs the rest); else why not."""
+        need = 2 * sum(t.numel() * t.element_size() for d in tensors.values() for t in d.values())
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if need > free * SHM_SHARE:
+            return (f"two copies of the trainable state ({need / 2**30:.2f} GiB) exceed {SHM_SHARE:.0%} of the free "
+                    f"space in {self.directory} ({free / 2**30:.2f} GiB): a lost node costs the steps since the "
+                    f"last commit")
+        return None
 
     def close(self, *, ended: bool) -> None:
         """Finish the write in flight; ``ended`` (the run ended normally): remove this node's files."""

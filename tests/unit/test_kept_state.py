@@ -189,3 +189,42 @@ def test_keep_does_not_wait_while_the_writer_is_idle_and_writes_each_step(direct
         assert all(torch.equal(got[g][k], t) for g, d in expected.items() for k, t in d.items())
     finally:
         keeper.close()
+
+
+def test_a_state_two_copies_of_which_do_not_fit_keeps_nothing_and_says_so(tmp_path, monkeypatch):
+    from elastic_ft.train.peer_state import PeerState
+    from elastic_ft.train.world import World
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")  # as under torchrun: the keeper is on
+    emitted = []
+
+    class Events:
+        def emit(self, event, **fields):
+            emitted.append((event, fields))
+
+    peers = PeerState(World(0, 1, 0, 1, torch.device("cpu")), run_id=RUN, config_hash=CONFIG, enabled=True,
+                      strategy="ddp", directory=str(tmp_path), events=Events())
+    assert peers.keeper is not None
+    huge = {"model": {"w": torch.empty(1, dtype=torch.uint8).expand(1 << 50)}}  # a PiB, never allocated
+    peers.keep(step=1, cursor=32, tensors=huge, manifest={}, documents={})
+    assert peers.keeper is None
+    assert emitted and emitted[0][0] == "kept_state_off" and "exceed 50% of the free space" in emitted[0][1]["reason"]
+    assert os.listdir(kept_dir(str(tmp_path))) == []
+
+
+def test_a_state_that_fits_is_kept_through_peer_state_and_fsdp_or_off_keeps_nothing(tmp_path, monkeypatch):
+    from elastic_ft.train.peer_state import PeerState
+    from elastic_ft.train.world import World
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    world = World(0, 1, 0, 1, torch.device("cpu"))
+    peers = PeerState(world, run_id=RUN, config_hash=CONFIG, enabled=True, strategy="ddp", directory=str(tmp_path))
+    peers.keep(step=3, cursor=96, tensors=state(3), manifest={"batch_plan": {"global_batch": 32}}, documents={})
+    peers.keeper.flush()
+    held = peers.report()
+    assert held is not None and held.step == 3 and held.identity == peers.identity
+    peers.close(ended=True)
+    assert os.listdir(kept_dir(str(tmp_path))) == []
+    for kw in ({"enabled": True, "strategy": "fsdp"}, {"enabled": False, "strategy": "ddp"}):
+        other = PeerState(world, run_id=RUN, config_hash=CONFIG, directory=str(tmp_path), **kw)
+        assert other.keeper is None and not other.active
