@@ -306,9 +306,11 @@ class Trainer:
             log.info("%s", joined_line(self.opts.run_id, w.rank, w.local_size, w.size, self.events.common["attempt"]))
         if self.plan.idle_ranks and w.is_leader:  # a join never ends the run: the ranks beyond the batch wait
             log.warning("batch: %s", idle_note(self.plan.idle_ranks, w.size, self.plan.global_batch))
-        self.resume()
+        plan = self.resume()
         self.auto.start(self.store, self.events.common["attempt"], time.time())  # the leader reads the run's losses
-        peer_loss.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank)
+        peer_loss.announce(self.events, step=self.step, world=w.size, local_rank=w.local_rank,
+                           source=f"kept in memory by node {plan.origin.node}" if plan.from_memory
+                           else "the last committed")
         self.metrics.start()
         first = True
         try:
