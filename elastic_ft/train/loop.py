@@ -124,7 +124,7 @@ class Trainer:
             opened.callback(self.peers.close, ended=False)
             self._kept_fields: dict | None = None
             self.metrics = Metrics(world, self.events, total_steps=self.total_steps,
-                                   every_steps=spec.logging.every_steps, ledger_at_once=self.peers.active)
+                                   every_steps=spec.logging.every_steps, each_step=self.peers.active)
             self.last_step_s: float | None = None  # what the spot policy weighs, with the checkpoints' record
             self.preemption = build_preemption(spec, world, self.events, imds_endpoint, opened)
             self.evaluator = build_evaluator(spec, world, self.events, self.eval_data)
@@ -155,6 +155,8 @@ class Trainer:
         self.metrics.flush()  # the events of every step a checkpoint covers are written first
         evaluated = self.evaluator.record_for(self.step) if self.evaluator is not None else {}
         self.checkpoints.save(reason, step=self.step, cursor=self.cursor, sync=sync, evaluated=evaluated)
+        if self.checkpoints.last_step == self.step:  # submitted: its commit ships the events of its steps
+            self.metrics.records.clear()
 
     # ------------------------------------------------------------------ resume
 
@@ -187,6 +189,8 @@ class Trainer:
             loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
             total_steps=self.total_steps, origin=source,
         )
+        if plan.from_memory and loaded is not None:
+            self._carry_events(loaded.documents.get("events") or [], plan.step)
         self.events.emit("resume_plan", **plan.event())
         if plan.rescale is not None:
             self.events.emit("rescale", **plan.rescale)
@@ -194,6 +198,18 @@ class Trainer:
             # Committed now, in the background: a second loss before the next commit cannot take it.
             self.save("resumed from memory")
         return plan
+
+    def _carry_events(self, records: list, step: int) -> None:
+        """Write again the events a kept step carried (the steps since the last save, up to ``step``): the
+        lost leader may have taken them unshipped. Marked ``carried``; the ledger's replay takes a step's
+        samples once however often it is written."""
+        for item in records:
+            if (isinstance(item, list) and len(item) == 2 and item[0] in ("step_done", "step", "ledger")
+                    and isinstance(item[1], dict) and isinstance(item[1].get("step"), int) and item[1]["step"] <= step):
+                fields = {k: v for k, v in item[1].items() if k not in ("ts", "event", "run_id", "attempt")}
+                self.events.emit(item[0], quiet=True, carried=True, **fields)
+                if self.metrics.each_step:  # still uncommitted until the commit after the resume
+                    self.metrics.records.append((item[0], fields))
 
     # ------------------------------------------------------------------ steps
 
@@ -388,9 +404,12 @@ class Trainer:
         result = self.train_step()
         result.seconds = self.last_step_s = time.monotonic() - t0
         result.t_end = time.time()  # reported later, in a batch: the plot needs when it ended
+        done = {"step": result.step, "seconds": round(result.seconds, 4)}
         if self.world.is_leader:  # every step, reported or not yet: goodput needs the steps a kill cuts off too
-            self.events.emit("step_done", quiet=True, step=result.step, seconds=round(result.seconds, 4))
-        self.metrics.add(result)  # its ledger first: a resume from the kept step needs every step before it
+            self.events.emit("step_done", quiet=True, **done)
+        if self.metrics.each_step:
+            self.metrics.records.append(("step_done", done))
+        self.metrics.add(result)  # its events first: a resume from the kept step needs every step before it
         self._keep()
         return result
 
@@ -410,7 +429,10 @@ class Trainer:
             "scheduler": {"name": self.spec.optimizer.schedule, "step": self.step, "total_steps": self.total_steps,
                           "peak_lr": self.plan.lr},
         }, documents={"trainer": {"step": self.step, "cursor": self.cursor, "total_steps": self.total_steps},
-                      "spec": self._spec_doc})
+                      "spec": self._spec_doc,
+                      # The events of the steps since the last save: a leader lost with them unshipped would
+                      # take them along; the new leader writes them again at a resume from this step.
+                      "events": [[name, fields] for name, fields in self.metrics.records]})
 
     def close(self, error: BaseException | None = None) -> None:
         """Close what the build opened, last first: the spot watcher, the checkpoints, the events, the store.

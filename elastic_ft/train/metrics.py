@@ -57,11 +57,16 @@ class Metrics:
     """The steps not reported yet, and what reporting them needs (the run's length, its start, its last loss)."""
 
     def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int,
-                 ledger_at_once: bool = False) -> None:
+                 each_step: bool = False) -> None:
         self.world, self.events = world, events
-        self.ledger_at_once = ledger_at_once
-        """Each step's ledger is written when the step ends, not at the next report: a run that keeps each
-        step in memory may resume from any step, and the ledger must hold every step before it."""
+        self.each_step = each_step
+        """Report every step when it ends (its loss all-reduce included; the progress line still every
+        ``every_steps``): a run that keeps each step in memory may resume from any step, and its events must
+        hold every step before it (:attr:`records` carries them to the resume)."""
+        self.records: list[tuple[str, dict]] = []
+        """With ``each_step``: the ``step`` and ``ledger`` events reported since the caller last cleared it, as
+        (event, fields), on every rank (the leader's file has them; a kept step carries them, see
+        :meth:`elastic_ft.train.loop.Trainer.resume`)."""
         self.total_steps, self.every_steps = total_steps, every_steps
         self.last_loss: float | None = None
         """The global loss of the newest reported (not skipped) step; None before any."""
@@ -79,11 +84,8 @@ class Metrics:
         if self._first is None:
             self._first = (result.step, result.t_end)
         result.eta_s = eta_seconds(*self._first, result.step, result.t_end, self.total_steps)
-        if self.ledger_at_once and result.consumed is not None:
-            self.events.emit("ledger", quiet=True, step=result.step - 1, samples=result.consumed)
-            result.consumed = None
         self._unreported.append(result)
-        if result.step % self.every_steps == 0 or result.step == self.total_steps:
+        if self.each_step or result.step % self.every_steps == 0 or result.step == self.total_steps:
             self.flush()
 
     def flush(self) -> None:
@@ -103,18 +105,23 @@ class Metrics:
             self.report(r)
         self._unreported.clear()
 
+    def _emit(self, event: str, **fields) -> None:
+        self.events.emit(event, quiet=True, **fields)
+        if self.each_step:
+            self.records.append((event, fields))
+
     def report(self, r: StepResult) -> None:
         """Events and the progress line of a finished step."""
         w = self.world
         if r.consumed is not None:
-            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
+            self._emit("ledger", step=r.step - 1, samples=r.consumed)
         if r.skipped is not None:
             return  # its step_skipped event was emitted when it happened
         loss = r.loss
         self.last_loss = loss
         eta = r.eta_s
-        self.events.emit(
-            "step", quiet=True, step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
+        self._emit(
+            "step", step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
             tokens=r.tokens, tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size,
             eta_s=round(eta, 1) if math.isfinite(eta) else None,
             **({} if r.real_tokens is None else {"real_tokens": r.real_tokens, "computed_tokens": r.computed_tokens}),
