@@ -93,7 +93,7 @@ class ResumePlan:
     step: int
     cursor: int
     source: str | None
-    """Manifest key resumed from (None: fresh start)."""
+    """Manifest key resumed from (None: fresh start, or a node's kept step: see ``origin``)."""
     skipped: list[Skipped]
     rescale: dict | None
     config_changed: bool
@@ -109,7 +109,7 @@ class ResumePlan:
     def event(self) -> dict:
         origin = (self.origin or ResumeSource(CHECKPOINT, "")).event()
         return {
-            "step": self.step, "cursor": self.cursor, **origin, "checkpoint": self.source,
+            "step": self.step, "cursor": self.cursor, "source": self.source, **origin,
             "skipped": [dataclasses.asdict(s) for s in self.skipped], "config_changed": self.config_changed,
             "finished": self.finished, "reason": self.reason,
         }

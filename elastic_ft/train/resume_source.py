@@ -47,7 +47,7 @@ class ResumeSource:
     """The holder's host name, once its state arrived (memory only)."""
 
     def event(self) -> dict:
-        out: dict = {"source": self.kind, "source_reason": self.reason}
+        out: dict = {"origin": self.kind, "origin_reason": self.reason}
         if self.kind == MEMORY:
             out["holder"] = {"rank": self.rank, "node": self.node, "step": self.step, "host": self.host}
         out["committed_step"] = self.committed_step

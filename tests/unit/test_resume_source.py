@@ -70,7 +70,7 @@ def test_reports_round_trip_through_fixed_width_rows(held):
 
 def test_the_event_names_the_source_holder_and_reason():
     s = choose_source([Held(5, ME, node=1)], committed_step=None, identity=ME)
-    assert s.event() == {"source": "memory", "source_reason": s.reason, "committed_step": None,
+    assert s.event() == {"origin": "memory", "origin_reason": s.reason, "committed_step": None,
                          "holder": {"rank": 0, "node": 1, "step": 5, "host": None}}
-    assert ResumeSource(CHECKPOINT, "why").event() == {"source": "checkpoint", "source_reason": "why",
+    assert ResumeSource(CHECKPOINT, "why").event() == {"origin": "checkpoint", "origin_reason": "why",
                                                        "committed_step": None}
