@@ -58,8 +58,9 @@ from elastic_ft.checkpoint.safetensors_header import encode_header
 log = logging.getLogger(__name__)
 
 FORMAT = "elastic_ft.kept_state/1"
-MAX_SIDECAR_BYTES = 1 << 20
-"""A sidecar larger than this is not ours (it holds a few fields and the spec)."""
+MAX_SIDECAR_BYTES = 64 << 20
+"""A sidecar larger than this is not ours: it holds a few fields, the spec and the events of the steps since
+the last save (at most :data:`elastic_ft.train.metrics.MAX_RECORDS` of them)."""
 WRITE_WAIT_S = 30.0
 """Longest wait for a write in flight when the run stops (its file is what the next worker resumes from)."""
 WRITER_NICE = 10

@@ -209,7 +209,7 @@ class Trainer:
                 fields = {k: v for k, v in item[1].items() if k not in ("ts", "event", "run_id", "attempt")}
                 self.events.emit(item[0], quiet=True, carried=True, **fields)
                 if self.metrics.each_step:  # still uncommitted until the commit after the resume
-                    self.metrics.records.append((item[0], fields))
+                    self.metrics.record(item[0], fields)
 
     # ------------------------------------------------------------------ steps
 
@@ -408,7 +408,7 @@ class Trainer:
         if self.world.is_leader:  # every step, reported or not yet: goodput needs the steps a kill cuts off too
             self.events.emit("step_done", quiet=True, **done)
         if self.metrics.each_step:
-            self.metrics.records.append(("step_done", done))
+            self.metrics.record("step_done", done)
         self.metrics.add(result)  # its events first: a resume from the kept step needs every step before it
         self._keep()
         return result

@@ -21,6 +21,9 @@ from elastic_ft.train.world import World, sum_over_ranks
 
 log = logging.getLogger("elastic_ft.train.loop")  # the name the progress lines always had
 
+MAX_RECORDS = 30_000
+"""Events :attr:`Metrics.records` holds at most (three per step: 10,000 steps between two saves)."""
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -108,7 +111,14 @@ class Metrics:
     def _emit(self, event: str, **fields) -> None:
         self.events.emit(event, quiet=True, **fields)
         if self.each_step:
-            self.records.append((event, fields))
+            self.record(event, fields)
+
+    def record(self, event: str, fields: dict) -> None:
+        """Add to :attr:`records`; past :data:`MAX_RECORDS` the oldest go (a run that never saves by steps
+        would otherwise grow them, and the kept step's sidecar that carries them, without bound)."""
+        self.records.append((event, fields))
+        if len(self.records) > MAX_RECORDS:
+            del self.records[: len(self.records) - MAX_RECORDS]
 
     def report(self, r: StepResult) -> None:
         """Events and the progress line of a finished step."""
