@@ -190,7 +190,7 @@ class Trainer:
             total_steps=self.total_steps, origin=source,
         )
         if plan.from_memory and loaded is not None:
-            self._carry_events(loaded.documents.get("events") or [], plan.step)
+            self._carry_events(loaded.documents.get("events") or [], plan.step, after=source.committed_step or 0)
         self.events.emit("resume_plan", **plan.event())
         if plan.rescale is not None:
             self.events.emit("rescale", **plan.rescale)
@@ -199,16 +199,19 @@ class Trainer:
             self.save("resumed from memory")
         return plan
 
-    def _carry_events(self, records: list, step: int) -> None:
-        """Write again the events a kept step carried (the steps since the last save, up to ``step``): the
-        lost leader may have taken them unshipped. Marked ``carried``; the ledger's replay takes a step's
-        samples once however often it is written."""
+    def _carry_events(self, records: list, step: int, *, after: int) -> None:
+        """Write again the events a kept step carried of the steps after the newest commit (``after``; its
+        commit shipped the ones before) up to ``step``: the lost leader may have taken them unshipped. Marked
+        ``carried``; the ledger's replay takes a step's samples once however often it is written."""
         for item in records:
-            if (isinstance(item, list) and len(item) == 2 and item[0] in ("step_done", "step", "ledger")
-                    and isinstance(item[1], dict) and isinstance(item[1].get("step"), int) and item[1]["step"] <= step):
+            if not (isinstance(item, list) and len(item) == 2 and item[0] in ("step_done", "step", "ledger")
+                    and isinstance(item[1], dict) and isinstance(item[1].get("step"), int)):
+                continue
+            trained = item[1]["step"] + (item[0] == "ledger")  # a ledger names its step from 0
+            if after < trained <= step:
                 fields = {k: v for k, v in item[1].items() if k not in ("ts", "event", "run_id", "attempt")}
                 self.events.emit(item[0], quiet=True, carried=True, **fields)
-                if self.metrics.each_step:  # still uncommitted until the commit after the resume
+                if self.metrics.each_step:  # uncommitted until the commit after the resume
                     self.metrics.record(item[0], fields)
 
     # ------------------------------------------------------------------ steps

@@ -99,3 +99,34 @@ def test_node_killed_between_commits_survivor_resumes_from_its_kept_step(cluster
     # the survivor's restart.
     mine = kept_state.kept_name(c.run_id, "")
     assert not [f for f in os.listdir(kept_state.kept_dir()) if f.startswith(mine)]
+
+
+JOIN_STEPS = 60  # the replacement's agent must join while the survivor still trains (at up to 15 steps/s alone)
+JOIN_OVERRIDES = [f"steps={JOIN_STEPS}", *OVERRIDES[1:]]
+
+
+def test_a_replacement_node_gets_the_kept_step_from_the_survivor_not_from_the_store(etcd, tmp_path, request):
+    """A node killed and a new one started in its place at once: every resume after the loss is from the survivor's
+    memory (no manifest named: no rank read a checkpoint), the world of both nodes included, so the new node's
+    state came over the process group; the run ends with every sample once."""
+    c = Cluster(etcd.endpoint, f"kept-join-{os.getpid()}", tmp_path, [1, 1], JOIN_OVERRIDES)
+    try:
+        for node in c.nodes:
+            c.start(node)
+        wait_until(lambda: c.progress() >= 6, timeout=FINISH_S, what="six steps", interval=0.2, on_timeout=c.tails)
+        c.kill(c.nodes[1])
+        c.start(c.nodes[1])  # a replacement machine
+        wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)
+        events = c.events()
+    finally:
+        c.stop_all()
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    plans = [e for e in events if e["event"] == "resume_plan"]
+    assert len(plans) == len(starts) >= 2
+    assert all(p["origin"] == "memory" and p["source"] is None for p in plans[1:]), plans[1:]
+    assert events[starts[-1]]["world"] == 2, [events[i]["world"] for i in starts]  # the replacement took part
+    assert not [e for e in events[:starts[1]] if e["event"] == "checkpoint_committed"]
+    history = replay(events)
+    assert sorted(history) == list(range(JOIN_STEPS)) and check_exactly_once(history, 1024) == []
+    for name in ("step", "step_done"):
+        assert sorted({e["step"] for e in events if e["event"] == name}) == list(range(1, JOIN_STEPS + 1)), name
