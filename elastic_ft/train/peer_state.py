@@ -96,8 +96,16 @@ class PeerState:
                 self.keeper.close(discard_files=True)
                 self.keeper = None
                 return
-        self.keeper.keep(tensors, {**self._static, "step": step, "cursor": cursor, "created": time.time(),
-                                   **manifest, "documents": documents})
+        try:
+            self.keeper.keep(tensors, {**self._static, "step": step, "cursor": cursor, "created": time.time(),
+                                       **manifest, "documents": documents})
+        except (OSError, kept_state.KeptStateError) as exc:  # e.g. shared memory full: training goes on
+            why = f"keeping step {step} failed: {exc}; a lost node costs the steps since the last commit"
+            log.warning("this node keeps no step in memory from now on: %s", why)
+            if self.events is not None:
+                self.events.emit("kept_state_off", reason=why)
+            self.keeper.close(discard_files=True)
+            self.keeper = None
 
     def room_for(self, tensors: dict[str, dict[str, torch.Tensor]]) -> str | None:
         """None if two slots of ``tensors`` fit in the kept-state directory's free space with half of it to spare

@@ -228,3 +228,21 @@ def test_a_state_that_fits_is_kept_through_peer_state_and_fsdp_or_off_keeps_noth
     for kw in ({"enabled": True, "strategy": "fsdp"}, {"enabled": False, "strategy": "ddp"}):
         other = PeerState(world, run_id=RUN, config_hash=CONFIG, directory=str(tmp_path), **kw)
         assert other.keeper is None and not other.active
+
+
+def test_a_state_that_cannot_be_kept_turns_keeping_off_and_training_goes_on(tmp_path, monkeypatch):
+    from elastic_ft.train.peer_state import PeerState
+    from elastic_ft.train.world import World
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    emitted = []
+
+    class Events:
+        def emit(self, event, **fields):
+            emitted.append((event, fields))
+
+    peers = PeerState(World(0, 1, 0, 1, torch.device("cpu")), run_id=RUN, config_hash=CONFIG, enabled=True,
+                      strategy="ddp", directory=str(tmp_path), events=Events())
+    odd = {"model": {"w": torch.zeros(3, dtype=torch.complex64)}}  # no safetensors name here
+    peers.keep(step=1, cursor=32, tensors=odd, manifest={}, documents={})  # does not raise
+    assert peers.keeper is None and emitted[0][0] == "kept_state_off" and "complex64" in emitted[0][1]["reason"]
