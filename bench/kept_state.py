@@ -6,7 +6,8 @@ hits both alike), on the same model, data and steps. "On" is ``Trainer.step_once
 step, then the host copy of the trainable state into the free buffer and the hand-over to the writer thread
 (sha256 and the write to ``/dev/shm`` run there, beside the next step). Reported per spec: the median step
 time of each, their ratio, the paired per-block ratios (median, interquartile range), the state's size, and
-the time ``keep`` waited for the writer in all. Two specs: the tiny spec, and a larger LoRA (a wider,
+the time ``keep`` waited for the writer in all, and the keep's own cost on the training thread (wall and
+CPU time per step, and as a share of the step: robust to a loaded machine, where the ratios are not). Two specs: the tiny spec, and a larger LoRA (a wider,
 deeper model with rank-64 adapters: ~2.5M trainable parameters, ~30 MB of state with AdamW's moments).
 
     python bench/kept_state.py [--steps 120] [--block 6] [--only tiny|large]
@@ -44,6 +45,19 @@ def measure(name: str, overrides: list[str], steps: int, block: int, warmup: int
     keeper = trainer.peers.keeper
     assert keeper is not None, "the keeper is off: run with TORCHELASTIC_RUN_ID set (this script sets it)"
     times: dict[str, list[float]] = {"on": [], "off": []}
+    # The keep itself, on the training thread: wall and this thread's CPU time (the CPU figure leaves out waits
+    # for a core on a loaded machine, which swamp the step-time ratio there).
+    keep_cost = {"wall": 0.0, "cpu": 0.0, "n": 0}
+    real_keep = trainer._keep
+
+    def timed_keep() -> None:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        real_keep()
+        keep_cost["wall"] += time.perf_counter() - w0
+        keep_cost["cpu"] += time.thread_time() - c0
+        keep_cost["n"] += 1
+
+    trainer._keep = timed_keep
     blocks: dict[str, list[float]] = {"on": [], "off": []}
 
     def run(mode: str, n: int, record: bool) -> None:
@@ -63,6 +77,7 @@ def measure(name: str, overrides: list[str], steps: int, block: int, warmup: int
         run("on", warmup, False)
         run("off", warmup, False)
         keeper.wait_s = 0.0
+        keep_cost.update(wall=0.0, cpu=0.0, n=0)
         for b in range(max(1, steps // (2 * block))):
             for mode in (("on", "off") if b % 2 == 0 else ("off", "on")):
                 run(mode, block, True)
@@ -75,7 +90,9 @@ def measure(name: str, overrides: list[str], steps: int, block: int, warmup: int
         ratios = [a / b for a, b in zip(blocks["on"], blocks["off"])]
         return {"name": name, "on": statistics.median(times["on"]), "off": statistics.median(times["off"]),
                 "ratios": ratios, "bytes": size, "wait_s": keeper.wait_s, "steps": len(times["on"]),
-                "written": keeper.written_step, "failures": keeper.failures}
+                "written": keeper.written_step, "failures": keeper.failures,
+                "keep_ms": 1e3 * keep_cost["wall"] / max(1, keep_cost["n"]),
+                "keep_cpu_ms": 1e3 * keep_cost["cpu"] / max(1, keep_cost["n"])}
     finally:
         trainer.peers.close(ended=True)
         trainer.close()
@@ -102,6 +119,8 @@ def main(argv=None) -> int:
         print(f"{name}: state {r['bytes'] / 1e6:.2f} MB | step median {r['off'] * 1e3:.1f} ms without, "
               f"{r['on'] * 1e3:.1f} ms keeping | ratio of medians {r['on'] / r['off']:.4f} | per-block ratio "
               f"median {statistics.median(r['ratios']):.4f} (IQR {q[0]:.4f}..{q[2]:.4f}, {len(r['ratios'])} blocks) | "
+              f"keep on the training thread {r['keep_ms']:.2f} ms wall, {r['keep_cpu_ms']:.2f} ms CPU per step "
+              f"({r['keep_ms'] / (r['off'] * 1e3):.2%} of a step) | "
               f"keep waited for the writer {r['wait_s'] * 1e3:.1f} ms over {r['steps']} steps | "
               f"last written step {r['written']}, failed writes {r['failures']}")
     return 0
