@@ -337,15 +337,15 @@ def discard(directory: str, name: str) -> None:
                 pass
 
 
-def remove_orphans(directory: str, run_id: str) -> int:
-    """Remove ``run_id``'s files kept under agents that are gone (a job before this one on this host), and
-    temp files of writers that are gone (a worker killed mid-write): they can never be resumed from and hold
-    shared memory. Returns how many files went."""
-    prefix = kept_name(run_id, "")
+def remove_orphans(directory: str) -> int:
+    """Remove the files of every run kept under agents that are gone (a job before this one on this host, a
+    node whose agent was killed), and temp files of writers that are gone (a worker killed mid-write): a kept
+    state belongs to its agent, so nothing can resume from them, and they hold shared memory. Files of live
+    agents (other jobs of this user on this host included) stay. Returns how many files went."""
     removed = 0
     for other in os.listdir(directory):
-        if other.startswith(prefix):
-            agent = other[len(prefix):].split("-", 1)[0].removesuffix(".json")
+        if other.startswith("run-") and "-agent-" in other:
+            agent = other.split("-agent-", 1)[1].split("-", 1)[0].removesuffix(".json")
             pid, _, started = agent.partition(".")
             gone = not (pid.isdigit() and _alive(int(pid), started))
         elif other.startswith(".tmp-"):

@@ -70,7 +70,7 @@ class PeerState:
         if self.active and world.local_rank == 0:
             try:
                 self.directory = kept_state.kept_dir(directory)
-                kept_state.remove_orphans(self.directory, run_id)
+                kept_state.remove_orphans(self.directory)
                 self.name = kept_state.kept_name(run_id, kept_state.agent_id())
                 self.keeper = Keeper(self.directory, self.name)
             except (OSError, kept_state.KeptStateError) as exc:  # this node keeps nothing; the run goes on

@@ -114,19 +114,20 @@ def test_a_foreign_run_or_config_is_refused_but_reported_with_its_identity(direc
         RUN, "cfg-2")
 
 
-def test_a_stale_agents_files_are_not_found_by_another_agent_and_are_removed(directory):
+def test_a_gone_agents_files_are_not_found_by_another_agent_and_are_removed_whatever_their_run(directory):
     gone = kept_name(RUN, "999999999.1")  # an agent pid that does not run
-    keep_steps(directory, gone, range(1, 2))
+    keep_steps(directory, gone, range(1, 3))
     alive = kept_name(RUN, kept_state.agent_id())
     keep_steps(directory, alive, range(1, 2))
     other_run = kept_name("run-z", "999999999.1")
-    keep_steps(directory, other_run, range(1, 2))
+    keep_steps(directory, other_run, range(1, 3))
     # Another agent (a whole-job restart on this host) looks under its own name: finds nothing.
     assert read_kept(directory, kept_name(RUN, "5.5"), run_id=RUN, config_hash=CONFIG)[0] is None
-    assert remove_orphans(directory, RUN) == 2  # the gone agent's sidecar and data file
+    assert remove_orphans(directory) == 6  # each gone agent's sidecar and two slots, whichever run they kept
     left = os.listdir(directory)
-    assert not [f for f in left if f.startswith(gone)]
-    assert [f for f in left if f.startswith(alive)] and [f for f in left if f.startswith(other_run)]
+    assert not [f for f in left if f.startswith(gone) or f.startswith(other_run)]
+    assert sorted(f for f in left if f.startswith(alive)) == sorted(
+        [f"{alive}.json", f"{alive}-{os.getpid()}-0.safetensors"])
 
 
 def test_discard_removes_this_nodes_files(directory):
