@@ -225,6 +225,15 @@ class CheckpointConfig:
     """This many failed saves in a row stop the run with an error naming the last cause (1 to 100)."""
     save_timeout_s: float = 1800.0
     """Longest wait for one save (upload and commit, every rank's part) before the run stops (1 to 86400 s)."""
+    keep_step_in_memory: bool = True
+    """At every step end, one rank per node keeps the trainable state of that step (adapters or trained weights,
+    optimizer state, step, cursor) in node-local shared memory (``/dev/shm``, else the temp dir), written in the
+    background; after a membership change the new world resumes from the newest step a surviving node keeps
+    when it is not older than the newest commit (the holder sends it to every rank; a joining node reads no
+    state from the store), and commits it right away. So a node lost between two commits costs at most the step
+    in flight. Under torchrun only; ignored under ``parallelism.strategy: fsdp`` (each rank holds only its
+    shards: the run resumes from the checkpoint, and the resume event says so). Costs two host copies of the
+    trainable state on each node; false: every restart resumes from the newest commit."""
     local_cache_dir: str | None = None
     """A node-local directory keeping the blobs of the last checkpoints this node wrote or loaded (per run
     id); a restarted worker reads a blob from it when its size and digest match the manifest, and from the

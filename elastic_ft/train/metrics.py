@@ -21,6 +21,9 @@ from elastic_ft.train.world import World, sum_over_ranks
 
 log = logging.getLogger("elastic_ft.train.loop")  # the name the progress lines always had
 
+MAX_RECORDS = 30_000
+"""Events :attr:`Metrics.records` holds at most (three per step: 10,000 steps between two saves)."""
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -56,8 +59,17 @@ class StepResult:
 class Metrics:
     """The steps not reported yet, and what reporting them needs (the run's length, its start, its last loss)."""
 
-    def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int) -> None:
+    def __init__(self, world: World, events: EventLog, *, total_steps: int, every_steps: int,
+                 each_step: bool = False) -> None:
         self.world, self.events = world, events
+        self.each_step = each_step
+        """Report every step when it ends (its loss all-reduce included; the progress line still every
+        ``every_steps``): a run that keeps each step in memory may resume from any step, and its events must
+        hold every step before it (:attr:`records` carries them to the resume)."""
+        self.records: list[tuple[str, dict]] = []
+        """With ``each_step``: the ``step`` and ``ledger`` events reported since the caller last cleared it, as
+        (event, fields), on every rank (the leader's file has them; a kept step carries them, see
+        :meth:`elastic_ft.train.loop.Trainer.resume`)."""
         self.total_steps, self.every_steps = total_steps, every_steps
         self.last_loss: float | None = None
         """The global loss of the newest reported (not skipped) step; None before any."""
@@ -76,7 +88,7 @@ class Metrics:
             self._first = (result.step, result.t_end)
         result.eta_s = eta_seconds(*self._first, result.step, result.t_end, self.total_steps)
         self._unreported.append(result)
-        if result.step % self.every_steps == 0 or result.step == self.total_steps:
+        if self.each_step or result.step % self.every_steps == 0 or result.step == self.total_steps:
             self.flush()
 
     def flush(self) -> None:
@@ -96,18 +108,30 @@ class Metrics:
             self.report(r)
         self._unreported.clear()
 
+    def _emit(self, event: str, **fields) -> None:
+        self.events.emit(event, quiet=True, **fields)
+        if self.each_step:
+            self.record(event, fields)
+
+    def record(self, event: str, fields: dict) -> None:
+        """Add to :attr:`records`; past :data:`MAX_RECORDS` the oldest go (a run that never saves by steps
+        would otherwise grow them, and the kept step's sidecar that carries them, without bound)."""
+        self.records.append((event, fields))
+        if len(self.records) > MAX_RECORDS:
+            del self.records[: len(self.records) - MAX_RECORDS]
+
     def report(self, r: StepResult) -> None:
         """Events and the progress line of a finished step."""
         w = self.world
         if r.consumed is not None:
-            self.events.emit("ledger", quiet=True, step=r.step - 1, samples=r.consumed)
+            self._emit("ledger", step=r.step - 1, samples=r.consumed)
         if r.skipped is not None:
             return  # its step_skipped event was emitted when it happened
         loss = r.loss
         self.last_loss = loss
         eta = r.eta_s
-        self.events.emit(
-            "step", quiet=True, step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
+        self._emit(
+            "step", step=r.step, t_end=number(round(r.t_end, 3)), loss=round(loss, 6), lr=r.lr,
             tokens=r.tokens, tokens_per_s=round(r.tokens / r.seconds, 1), world=w.size,
             eta_s=round(eta, 1) if math.isfinite(eta) else None,
             **({} if r.real_tokens is None else {"real_tokens": r.real_tokens, "computed_tokens": r.computed_tokens}),

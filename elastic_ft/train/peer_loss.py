@@ -22,22 +22,23 @@ from elastic_ft.handoff.lost_nodes import LOST_NODES_ENV
 log = logging.getLogger(__name__)
 
 
-def departure_line(lost: str, step: int, world: int) -> str:
-    """The line: ``lost`` as the agent put it, then where the job goes on."""
-    return f"{lost}; the job resumes after step {step} (the last committed) at world size {world}"
+def departure_line(lost: str, step: int, world: int, source: str = "the last committed") -> str:
+    """The line: ``lost`` as the agent put it, then where the job goes on (``source``: what holds that step)."""
+    return f"{lost}; the job resumes after step {step} ({source}) at world size {world}"
 
 
 def announce(events, *, step: int, world: int, local_rank: int,
-             environ: Mapping[str, str] | None = None) -> str | None:
+             environ: Mapping[str, str] | None = None, source: str = "the last committed") -> str | None:
     """Emit ``node_lost`` and log the line when this round follows a lost node; the line, or None.
 
     ``events`` is the trainer's :class:`~elastic_ft.runevents.events.EventLog` (it writes
-    only on the leader); ``step`` is the step the job resumes after.
+    only on the leader); ``step`` is the step the job resumes after, ``source`` what held it (the last
+    commit, or a surviving node's memory).
     """
     lost = (os.environ if environ is None else environ).get(LOST_NODES_ENV)
     if not lost:
         return None
-    line = departure_line(lost, step, world)
+    line = departure_line(lost, step, world, source)
     events.emit("node_lost", quiet=True, reason=lost, resume_after_step=step, world=world)
     if local_rank == 0:
         log.warning("%s", line)

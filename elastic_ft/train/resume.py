@@ -14,6 +14,7 @@ import dataclasses
 
 from elastic_ft.checkpoint.manifest import Manifest
 from elastic_ft.checkpoint.reader import Skipped
+from elastic_ft.train.resume_source import CHECKPOINT, MEMORY, ResumeSource
 from elastic_ft.train.scaling import BatchPlan, rescale_event
 
 _SHAPING = {"model": ("config",), "lora": ("r", "target_modules", "use_dora", "modules_to_save")}
@@ -92,39 +93,52 @@ class ResumePlan:
     step: int
     cursor: int
     source: str | None
-    """Manifest key resumed from (None: fresh start)."""
+    """Manifest key resumed from (None: fresh start, or a node's kept step: see ``origin``)."""
     skipped: list[Skipped]
     rescale: dict | None
     config_changed: bool
     finished: bool
     reason: str
+    origin: ResumeSource | None = None
+    """Where the state came from (a node's kept step, or the checkpoint) and why; None: not decided."""
+
+    @property
+    def from_memory(self) -> bool:
+        return self.origin is not None and self.origin.kind == MEMORY
 
     def event(self) -> dict:
+        origin = (self.origin or ResumeSource(CHECKPOINT, "")).event()
         return {
-            "step": self.step, "cursor": self.cursor, "source": self.source,
+            "step": self.step, "cursor": self.cursor, "source": self.source, **origin,
             "skipped": [dataclasses.asdict(s) for s in self.skipped], "config_changed": self.config_changed,
             "finished": self.finished, "reason": self.reason,
         }
 
 
 def plan_resume(manifest: Manifest | None, skipped: list[Skipped], *, plan: BatchPlan, config_hash: str,
-                total_steps: int) -> ResumePlan:
+                total_steps: int, origin: ResumeSource | None = None) -> ResumePlan:
+    """Where the run continues: the loaded state's step and cursor (a checkpoint's manifest, or the
+    manifest-shaped record of a node's kept step when ``origin`` is a memory source), the rescale since
+    it was saved, and why."""
     if manifest is None:
         why = "no committed checkpoint: starting from step 0"
         if skipped:
             why = (f"every committed checkpoint is corrupt ({len(skipped)} retired to quarantine/): "
                    f"starting from step 0")
-        return ResumePlan(0, 0, None, skipped, None, False, False, why)
+        return ResumePlan(0, 0, None, skipped, None, False, False, why, origin)
     changed = manifest.config_hash != config_hash
     rescale = rescale_event(manifest.batch_plan or None, plan)
     if rescale is not None:
         rescale = {"step": manifest.step, **rescale}  # the step training continues from at the new plan
     finished = manifest.step >= total_steps
-    why = f"resuming from step {manifest.step} (cursor {manifest.cursor}) saved at world {manifest.world.get('size')}"
+    memory = origin is not None and origin.kind == MEMORY
+    where = f"kept in memory by node {origin.node}" if memory else "saved"
+    why = f"resuming from step {manifest.step} (cursor {manifest.cursor}) {where} at world {manifest.world.get('size')}"
     if skipped:
         why += f", after retiring {len(skipped)} newer unusable checkpoint(s) to quarantine/"
     if changed:
         why += "; the spec's training settings changed since that checkpoint"
     if finished:
         why += f"; the run is already complete ({total_steps} steps)"
-    return ResumePlan(manifest.step, manifest.cursor, manifest.key, skipped, rescale, changed, finished, why)
+    return ResumePlan(manifest.step, manifest.cursor, None if memory else manifest.key, skipped, rescale, changed,
+                      finished, why, origin)

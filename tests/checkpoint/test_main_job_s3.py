@@ -37,7 +37,10 @@ def s3_job(s3_servers, tmp_path_factory):
     base = f"s3://{endpoint.bucket}/jobs/{os.path.basename(tmp)}"
     logs = os.path.join(tmp, "logs")
     args = ["--spec", DEFAULT_SPEC, "--run_id", RUN, "--checkpoint_uri", base, "--log_dir", logs,
-            f"steps={STEPS}", "checkpoint.every_steps=4", "logging.ledger=true", "logging.every_steps=4"]
+            f"steps={STEPS}", "checkpoint.every_steps=4", "logging.ledger=true", "logging.every_steps=4",
+            # The restart reads its checkpoint back from S3 (what this job proves): the step the node kept in
+            # memory would be newer (tests/chaos/test_kept_state_resume.py proves that path).
+            "checkpoint.keep_step_in_memory=false"]
     env = s3_process_env(endpoint, tmp, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                          ELASTIC_FT_FAULTS="kill:rank=1,step=14,restart=0")
     proc = torchrun(2, args, max_restarts=1, env=env)

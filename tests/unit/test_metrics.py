@@ -93,3 +93,26 @@ def test_attempts_are_numbered_by_the_starts_already_in_the_file(tmp_path):
     assert next_attempt(path) == 3
     assert [(e["event"], e["attempt"]) for e in read_events(path)] == [
         ("start", 1), ("step", 1), ("start", 2), ("step", 2)]
+
+
+def test_while_steps_are_kept_each_step_is_reported_at_its_end_and_recorded_for_the_kept_step(tmp_path, monkeypatch):
+    import elastic_ft.train.metrics as metrics_mod
+
+    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
+    events = EventLog(str(tmp_path / "events.jsonl"), run_id="r")
+    m = Metrics(world, events, total_steps=50, every_steps=10, each_step=True)
+    for s in range(1, 4):
+        r = _step(s, 2.0 * s, 4)
+        r.consumed = [[[0, s]]]
+        m.add(r)
+        logged = read_events(str(tmp_path / "events.jsonl"))
+        # Reported at once, not at step 10: a resume from this kept step finds every step before it.
+        assert [e["step"] for e in logged if e["event"] == "step"] == list(range(1, s + 1))
+        assert [e["step"] for e in logged if e["event"] == "ledger"] == list(range(s))
+    assert [(name, f["step"]) for name, f in m.records] == [("ledger", 0), ("step", 1), ("ledger", 1), ("step", 2),
+                                                            ("ledger", 2), ("step", 3)]
+    monkeypatch.setattr(metrics_mod, "MAX_RECORDS", 4)
+    m.record("step_done", {"step": 3})
+    assert [(name, f["step"]) for name, f in m.records] == [("ledger", 1), ("step", 2), ("ledger", 2), ("step", 3)][
+        1:] + [("step_done", 3)]
+    events.close()
