@@ -32,6 +32,18 @@ def agent_pid() -> int:
     return _adopted[1] if _adopted else os.getppid()
 
 
+def start_ticks(pid: int | str) -> int | None:
+    """Process ``pid``'s start time in clock ticks since boot (/proc, Linux); None if it is gone or unreadable.
+
+    With the pid it names one process for good: a pid reused after the process ended has another start."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def forked_warm() -> bool:
     """Whether this worker was forked by the node's warm process (its libraries imported before it started)."""
     return _adopted is not None

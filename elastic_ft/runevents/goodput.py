@@ -176,14 +176,14 @@ def process_start_time(pid: int | str = "self") -> float | None:
     clock, taken from now, is the start in wall-clock time (``btime`` in
     /proc/stat has whole seconds only).
     """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
-            ticks = int(f.read().rpartition(")")[2].split()[19])
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-        return round(time.time() - age, 3)
-    except (OSError, ValueError, IndexError, AttributeError):
+    ticks = launch.start_ticks(pid)
+    if ticks is None:
         return None
+    try:
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):  # no boot clock or tick rate: not Linux
+        return None
+    return round(time.time() - age, 3)
 
 
 def start_fields() -> dict:

@@ -37,14 +37,11 @@ shared memory per node (three while a restarted worker's first step is kept).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import re
-import stat
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -54,6 +51,9 @@ import torch
 
 from elastic_ft.checkpoint.codec import tensors_from_safetensors
 from elastic_ft.checkpoint.safetensors_header import encode_header
+from elastic_ft.train.kept_files import (
+    KeptStateError, discard, identity_of, open_own, read_all, unlink_quiet, write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,60 +66,6 @@ WRITE_WAIT_S = 30.0
 WRITER_NICE = 10
 """The writer thread's nice value (CFS weight ~1/10 of a training thread's when they compete for a core)."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-
-
-class KeptStateError(RuntimeError):
-    """The kept-state directory cannot be used safely (not ours, not private, a symlink)."""
-
-
-def kept_dir(base: str | None = None) -> str:
-    """The private directory of this user's kept states: under ``/dev/shm`` where it exists, else the temp dir.
-
-    Created 0700 if absent; raises :class:`KeptStateError` when it is a symlink, not a directory, not owned by
-    this user, or open to others (another user could then plant or read a state).
-    """
-    if base is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(base, f"elastic_ft-kept-{os.getuid()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise KeptStateError(f"kept state directory {path} is a symlink or not a directory: remove it")
-    if st.st_uid != os.getuid():
-        raise KeptStateError(f"kept state directory {path} belongs to uid {st.st_uid}, not this user: remove it")
-    if st.st_mode & 0o077:
-        raise KeptStateError(f"kept state directory {path} is open to other users "
-                             f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 700 it or remove it")
-    return path
-
-
-def agent_id() -> str:
-    """This worker's torchrun agent, as ``<pid>.<start time>`` (the start time tells a reused pid apart).
-
-    The agent is the worker's parent: it restarts the workers of a membership change, and a new job starts
-    a new agent. Without ``/proc`` (not Linux) the pid alone.
-    """
-    ppid = os.getppid()
-    try:
-        with open(f"/proc/{ppid}/stat", "rb") as f:
-            # Field 22 (start time in clock ticks) counted after the command's closing parenthesis.
-            started = f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        started = "0"
-    return f"{ppid}.{started}"
-
-
-def kept_name(run_id: str, agent: str) -> str:
-    """The file name stem of ``run_id``'s state kept under ``agent`` (hashed: a run id may be long)."""
-    return f"run-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}-agent-{agent}"
-
-
-def identity_of(run_id: str, config_hash: str) -> int:
-    """The state's identity as a non-negative int64 (what the ranks exchange): the run and its training config."""
-    return int.from_bytes(hashlib.sha256(f"{run_id}\0{config_hash}".encode()).digest()[:8], "big") >> 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,29 +99,6 @@ def split_groups(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
     return out
 
 
-def _open_own(path: str, flags: int) -> int:
-    """An fd of ``path`` opened without following a symlink, refused unless a regular file of this user."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        os.close(fd)
-        raise KeptStateError(f"{path} is not a regular file of this user")
-    return fd
-
-
-def _read_all(fd: int, size: int) -> bytearray:
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    while got < size:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            break
-        got += n
-    if got != size:
-        raise KeptStateError(f"file ended after {got} of {size} bytes")
-    return buf
-
-
 def read_kept(directory: str, name: str, *, run_id: str | None, config_hash: str | None,
               ) -> tuple[KeptState | None, str]:
     """The state kept under ``name`` if it is whole and belongs to (``run_id``, ``config_hash``): (state, why).
@@ -186,7 +109,7 @@ def read_kept(directory: str, name: str, *, run_id: str | None, config_hash: str
     """
     side = os.path.join(directory, f"{name}.json")
     try:
-        fd = _open_own(side, os.O_RDONLY)
+        fd = open_own(side, os.O_RDONLY)
     except FileNotFoundError:
         return None, "no state kept on this node"
     except (OSError, KeptStateError) as exc:
@@ -195,7 +118,7 @@ def read_kept(directory: str, name: str, *, run_id: str | None, config_hash: str
         size = os.fstat(fd).st_size
         if size > MAX_SIDECAR_BYTES:
             return None, f"kept state sidecar is {size} bytes (at most {MAX_SIDECAR_BYTES})"
-        meta = json.loads(bytes(_read_all(fd, size)))
+        meta = json.loads(bytes(read_all(fd, size)))
     except (OSError, ValueError, KeptStateError) as exc:
         return None, f"kept state sidecar unreadable: {exc}"
     finally:
@@ -212,11 +135,11 @@ def read_kept(directory: str, name: str, *, run_id: str | None, config_hash: str
             or not isinstance(meta.get("step"), int) or not isinstance(meta.get("cursor"), int)):
         return None, "kept state sidecar is malformed"
     try:
-        fd = _open_own(os.path.join(directory, file), os.O_RDONLY)
+        fd = open_own(os.path.join(directory, file), os.O_RDONLY)
         try:
             if os.fstat(fd).st_size != want:
                 return None, f"kept state file {file} is {os.fstat(fd).st_size} bytes, its sidecar says {want}"
-            data = _read_all(fd, want)
+            data = read_all(fd, want)
         finally:
             os.close(fd)
     except (OSError, KeptStateError) as exc:
@@ -229,22 +152,6 @@ def read_kept(directory: str, name: str, *, run_id: str | None, config_hash: str
     except Exception as exc:  # a header that does not parse: not a usable state
         return None, f"kept state file {file} is malformed: {exc}"
     return state, f"step {state.step} kept on this node"
-
-
-def _write_atomically(directory: str, final: str, data: bytes) -> None:
-    """Write ``data`` to ``directory/final`` through a private temp file and a rename (never seen half-written)."""
-    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{final}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, os.path.join(directory, final))
 
 
 def checksum(data) -> str:
@@ -285,9 +192,9 @@ def make_slot(directory: str, file: str, tensors: dict[str, dict[str, torch.Tens
         offset += n
     head = encode_header(header)
     size = len(head) + offset
-    _write_atomically(directory, file, head)
+    write_atomically(directory, file, head)
     path = os.path.join(directory, file)
-    fd = _open_own(path, os.O_RDWR)
+    fd = open_own(path, os.O_RDWR)
     try:
         os.ftruncate(fd, size)  # the data region: zero pages, allocated as the first copy touches them
     finally:
@@ -324,53 +231,7 @@ def write_sidecar(directory: str, name: str, slot: Slot, meta: dict) -> None:
     this rename on, ``slot`` is the node's kept step."""
     data = memoryview(slot.mapped.numpy())
     side = json.dumps({**meta, "format": FORMAT, "file": slot.file, "size": slot.size, "crc32": checksum(data)})
-    _write_atomically(directory, f"{name}.json", side.encode())
-
-
-def discard(directory: str, name: str) -> None:
-    """Remove the files kept under ``name`` (the run ended normally: nothing will resume from them)."""
-    for other in os.listdir(directory):
-        if other == f"{name}.json" or (other.startswith(f"{name}-") and other.endswith(".safetensors")):
-            try:
-                os.unlink(os.path.join(directory, other))
-            except FileNotFoundError:
-                pass
-
-
-def remove_orphans(directory: str) -> int:
-    """Remove the files of every run kept under agents that are gone (a job before this one on this host, a
-    node whose agent was killed), and temp files of writers that are gone (a worker killed mid-write): a kept
-    state belongs to its agent, so nothing can resume from them, and they hold shared memory. Files of live
-    agents (other jobs of this user on this host included) stay. Returns how many files went."""
-    removed = 0
-    for other in os.listdir(directory):
-        if other.startswith("run-") and "-agent-" in other:
-            agent = other.split("-agent-", 1)[1].split("-", 1)[0].removesuffix(".json")
-            pid, _, started = agent.partition(".")
-            gone = not (pid.isdigit() and _alive(int(pid), started))
-        elif other.startswith(".tmp-"):
-            pid = other.split("-")[1]
-            gone = pid.isdigit() and not _alive(int(pid), None)
-        else:
-            continue
-        if gone:
-            try:
-                os.unlink(os.path.join(directory, other))
-                removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _alive(pid: int, started: str | None) -> bool:
-    """Whether process ``pid`` runs (and started at ``started``, when given); True where that cannot be told."""
-    if not os.path.isdir("/proc"):
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return started is None or f.read().rsplit(b")", 1)[1].split()[19].decode() == started
-    except (OSError, IndexError):
-        return False
+    write_atomically(directory, f"{name}.json", side.encode())
 
 
 class Keeper:
@@ -480,7 +341,7 @@ class Keeper:
                     own = {s.file for s in self._slots if s is not None}
                     for other in os.listdir(self.directory):
                         if other.startswith(f"{self.name}-") and other.endswith(".safetensors") and other not in own:
-                            _unlink(os.path.join(self.directory, other))
+                            unlink_quiet(os.path.join(self.directory, other))
             except Exception as exc:  # the previous sidecar stays whole; the next step tries again
                 self.failures += 1
                 log.warning("keeping step %s in %s failed: %s", meta.get("step"), self.directory, exc)
@@ -513,8 +374,3 @@ class Keeper:
             discard(self.directory, self.name)
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

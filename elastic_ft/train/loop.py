@@ -50,9 +50,9 @@ from elastic_ft.train.metrics import Metrics, StepResult, number
 from elastic_ft.train.optim import build_adamw
 from elastic_ft.train.saving import TrainedState
 from elastic_ft.train.peer_state import PeerState
-from elastic_ft.train.restore import Restorer, optimizer_tensors
-from elastic_ft.train.resume import ResumePlan, plan_resume
-from elastic_ft.train.resume_source import MEMORY
+from elastic_ft.train.restore import Restorer
+from elastic_ft.train import resuming
+from elastic_ft.train.resume import ResumePlan
 from elastic_ft.train.scaling import idle_note, lr_at, plan_batch, total_steps
 from elastic_ft.train.world import (
     RunAborted, World, close_world, gather_from_all, init_world, sum_over_ranks,
@@ -161,58 +161,8 @@ class Trainer:
     # ------------------------------------------------------------------ resume
 
     def resume(self) -> ResumePlan:
-        """Resume from the newest step a node of this world keeps, when it is not older than the newest
-        commit (:mod:`~elastic_ft.train.peer_state`; then committed again at once, asynchronously), else
-        from the newest verified checkpoint the leader chooses (see :class:`Restorer`); plan from it.
-
-        Raises :class:`RunAborted` on every rank when no decision can be made
-        or any rank failed to load the chosen state.
-        """
-        source = self.peers.choose(self.store)
-        if source.kind == MEMORY:
-            loaded, held = self.peers.receive(source, self.restorer, model=self.model, trainable=self.trainable,
-                                              optimizer=self.optimizer)
-            source = dataclasses.replace(source, host=held.get("host"))
-            skipped: list = []
-            self.checkpoints.resumed(source.committed_step or 0)
-        else:
-            loaded, skipped = self.restorer.restore(
-                spec_doc=self._spec_doc, model=self.model, trainable=self.trainable, optimizer=self.optimizer
-            )
-            if loaded is not None:
-                self.checkpoints.resumed(loaded.manifest.step)
-        if loaded is not None:
-            self.step, self.cursor = loaded.manifest.step, loaded.manifest.cursor
-            if self.evaluator is not None:  # its step's evaluation, if it finished before the save
-                self.evaluator.resumed(loaded.manifest.eval, self.step)
-        plan = plan_resume(
-            loaded.manifest if loaded else None, skipped, plan=self.plan, config_hash=self._config_hash,
-            total_steps=self.total_steps, origin=source,
-        )
-        if plan.from_memory and loaded is not None:
-            self._carry_events(loaded.documents.get("events") or [], plan.step, after=source.committed_step or 0)
-        self.events.emit("resume_plan", **plan.event())
-        if plan.rescale is not None:
-            self.events.emit("rescale", **plan.rescale)
-        if plan.from_memory and self.step > (source.committed_step or 0):
-            # Committed now, in the background: a second loss before the next commit cannot take it.
-            self.save("resumed from memory")
-        return plan
-
-    def _carry_events(self, records: list, step: int, *, after: int) -> None:
-        """Write again the events a kept step carried of the steps after the newest commit (``after``; its
-        commit shipped the ones before) up to ``step``: the lost leader may have taken them unshipped. Marked
-        ``carried``; the ledger's replay takes a step's samples once however often it is written."""
-        for item in records:
-            if not (isinstance(item, list) and len(item) == 2 and item[0] in ("step_done", "step", "ledger")
-                    and isinstance(item[1], dict) and isinstance(item[1].get("step"), int)):
-                continue
-            trained = item[1]["step"] + (item[0] == "ledger")  # a ledger names its step from 0
-            if after < trained <= step:
-                fields = {k: v for k, v in item[1].items() if k not in ("ts", "event", "run_id", "attempt")}
-                self.events.emit(item[0], quiet=True, carried=True, **fields)
-                if self.metrics.each_step:  # uncommitted until the commit after the resume
-                    self.metrics.record(item[0], fields)
+        """Resume from a node's kept step or the newest verified checkpoint (:func:`resuming.resume`)."""
+        return resuming.resume(self)
 
     # ------------------------------------------------------------------ steps
 
@@ -413,29 +363,8 @@ class Trainer:
         if self.metrics.each_step:
             self.metrics.record("step_done", done)
         self.metrics.add(result)  # its events first: a resume from the kept step needs every step before it
-        self._keep()
+        resuming.keep_step(self)  # node-local, for the resume after a membership change
         return result
-
-    def _keep(self) -> None:
-        """Keep the step just completed in node-local memory (the keeping rank of each node; in the background)."""
-        if self.peers.keeper is None:
-            return
-        if self._kept_fields is None:  # what does not change within an attempt, built once
-            self._kept_fields = {
-                "world": {"size": self.world.size, "host": socket.gethostname()},
-                "rng": {"scheme": "reseed(seed, step, rank) before each step", "seed": self.spec.seed},
-                "batch_plan": self.plan.to_dict(),
-            }
-        st = {"model": self.trainable, "optimizer": optimizer_tensors(self.optimizer, self.param_names)}
-        self.peers.keep(step=self.step, cursor=self.cursor, tensors=st, manifest={
-            **self._kept_fields,
-            "scheduler": {"name": self.spec.optimizer.schedule, "step": self.step, "total_steps": self.total_steps,
-                          "peak_lr": self.plan.lr},
-        }, documents={"trainer": {"step": self.step, "cursor": self.cursor, "total_steps": self.total_steps},
-                      "spec": self._spec_doc,
-                      # The events of the steps since the last save: a leader lost with them unshipped would
-                      # take them along; the new leader writes them again at a resume from this step.
-                      "events": [[name, fields] for name, fields in self.metrics.records]})
 
     def close(self, error: BaseException | None = None) -> None:
         """Close what the build opened, last first: the spot watcher, the checkpoints, the events, the store.

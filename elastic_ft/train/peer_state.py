@@ -34,7 +34,7 @@ from elastic_ft.checkpoint.manifest import Manifest, step_of_key
 from elastic_ft.checkpoint.reader import LoadedCheckpoint, list_manifests
 from elastic_ft.checkpoint.store import ObjectStore
 from elastic_ft.runevents.events import EventLog
-from elastic_ft.train import kept_state
+from elastic_ft.train import kept_files, kept_state
 from elastic_ft.train.kept_state import KeptState, Keeper
 from elastic_ft.train.restore import Restorer, describe_error
 from elastic_ft.train.resume_source import (
@@ -66,18 +66,18 @@ class PeerState:
         self.directory = self.name = None
         self.keeper: Keeper | None = None
         self.held: KeptState | None = None
-        self.identity = kept_state.identity_of(run_id, config_hash)
+        self.identity = kept_files.identity_of(run_id, config_hash)
         if self.active and world.local_rank == 0:
             try:
-                self.directory = kept_state.kept_dir(directory)
-                kept_state.remove_orphans(self.directory)
-                self.name = kept_state.kept_name(run_id, kept_state.agent_id())
+                self.directory = kept_files.kept_dir(directory)
+                kept_files.remove_orphans(self.directory)
+                self.name = kept_files.kept_name(run_id, kept_files.agent_id())
                 self.keeper = Keeper(self.directory, self.name)
-            except (OSError, kept_state.KeptStateError) as exc:  # this node keeps nothing; the run goes on
+            except (OSError, kept_files.KeptStateError) as exc:  # this node keeps nothing; the run goes on
                 log.warning("this node keeps no step in memory: %s", exc)
                 self.directory = self.name = None
         self._static = {"run_id": run_id, "config_hash": config_hash, "host": socket.gethostname(),
-                        "agent": kept_state.agent_id()}
+                        "agent": kept_files.agent_id()}
 
     # ------------------------------------------------------------------ steps
 
@@ -99,7 +99,7 @@ class PeerState:
         try:
             self.keeper.keep(tensors, {**self._static, "step": step, "cursor": cursor, "created": time.time(),
                                        **manifest, "documents": documents})
-        except (OSError, kept_state.KeptStateError) as exc:  # e.g. shared memory full: training goes on
+        except (OSError, kept_files.KeptStateError) as exc:  # e.g. shared memory full: training goes on
             why = f"keeping step {step} failed: {exc}; a lost node costs the steps since the last commit"
             log.warning("this node keeps no step in memory from now on: %s", why)
             if self.events is not None:

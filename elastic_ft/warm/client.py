@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from elastic_ft.handoff import launch
 from elastic_ft.warm import protocol
 
 LAUNCH_WAIT_S = 300.0
@@ -47,7 +48,7 @@ def run(module: str, preload: str) -> None:
 def _start(module: str, preload: str) -> str:
     """Serve this process from the warm process (never returns then), or the reason it cannot."""
     agent = os.getppid()
-    ticks = protocol.start_ticks(agent)
+    ticks = launch.start_ticks(agent)
     directory = protocol.private_dir()
     if ticks is None or directory is None:
         return "no /proc entry for the agent" if ticks is None else "no private directory for the warm process"

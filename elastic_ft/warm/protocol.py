@@ -90,18 +90,6 @@ def private_dir() -> str | None:
     return path
 
 
-def start_ticks(pid: int) -> int | None:
-    """Process ``pid``'s start time in clock ticks since boot (/proc), None if it is gone or unreadable.
-
-    With the pid it names one process for good: a pid reused after the agent died has another start."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name (field 2) may hold spaces and parentheses: split after its closing one.
-            return int(f.read().rpartition(")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def process_state(pid: int) -> str | None:
     """Process ``pid``'s state letter from /proc (``T``: stopped), None if it is gone."""
     try:

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_fd = os.pidfd_open(args.agent_pid)
     except OSError:
         return 4  # the agent is already gone
-    if protocol.start_ticks(args.agent_pid) != args.agent_ticks:
+    if launch.start_ticks(args.agent_pid) != args.agent_ticks:
         return 4  # its pid names another process now
     _preload(args.preload)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

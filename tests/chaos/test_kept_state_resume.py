@@ -20,7 +20,7 @@ import pytest
 
 from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
-from elastic_ft.train import kept_state
+from elastic_ft.train import kept_files
 from tests.chaos.cluster import Cluster, stall_bound
 from tests.e2e.conftest import train
 from tests.waiting import wait_until
@@ -97,8 +97,8 @@ def test_node_killed_between_commits_survivor_resumes_from_its_kept_step(cluster
 
     # The run ended normally: the survivor removed its kept files, and the lost node's (its agent gone) went at
     # the survivor's restart.
-    mine = kept_state.kept_name(c.run_id, "")
-    assert not [f for f in os.listdir(kept_state.kept_dir()) if f.startswith(mine)]
+    mine = kept_files.kept_name(c.run_id, "")
+    assert not [f for f in os.listdir(kept_files.kept_dir()) if f.startswith(mine)]
 
 
 JOIN_STEPS = 60  # the replacement's agent must join while the survivor still trains (at up to 15 steps/s alone)

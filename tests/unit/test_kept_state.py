@@ -10,8 +10,9 @@ import stat
 import pytest
 import torch
 
-from elastic_ft.train import kept_state
-from elastic_ft.train.kept_state import Keeper, KeptStateError, kept_dir, kept_name, read_kept, remove_orphans
+from elastic_ft.train import kept_files
+from elastic_ft.train.kept_files import KeptStateError, kept_dir, kept_name, remove_orphans
+from elastic_ft.train.kept_state import Keeper, read_kept
 
 RUN, CONFIG = "run-a", "cfg-1"
 
@@ -110,14 +111,14 @@ def test_a_foreign_run_or_config_is_refused_but_reported_with_its_identity(direc
     assert held is None and "not this run's" in why
     # Read for a report (no identity asked): the identity it carries is the file's own, which the decision judges.
     held, _ = read_kept(directory, name, run_id=None, config_hash=None)
-    assert held is not None and held.identity == kept_state.identity_of(RUN, CONFIG) != kept_state.identity_of(
+    assert held is not None and held.identity == kept_files.identity_of(RUN, CONFIG) != kept_files.identity_of(
         RUN, "cfg-2")
 
 
 def test_a_gone_agents_files_are_not_found_by_another_agent_and_are_removed_whatever_their_run(directory):
     gone = kept_name(RUN, "999999999.1")  # an agent pid that does not run
     keep_steps(directory, gone, range(1, 3))
-    alive = kept_name(RUN, kept_state.agent_id())
+    alive = kept_name(RUN, kept_files.agent_id())
     keep_steps(directory, alive, range(1, 2))
     other_run = kept_name("run-z", "999999999.1")
     keep_steps(directory, other_run, range(1, 3))
@@ -133,7 +134,7 @@ def test_a_gone_agents_files_are_not_found_by_another_agent_and_are_removed_what
 def test_discard_removes_this_nodes_files(directory):
     name = kept_name(RUN, "1.6")
     keep_steps(directory, name, range(1, 3))
-    kept_state.discard(directory, name)
+    kept_files.discard(directory, name)
     assert os.listdir(directory) == []
 
 
