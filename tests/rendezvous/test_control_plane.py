@@ -60,8 +60,10 @@ def test_32_agents_form_a_round_and_re_form_it_without_a_lost_one(figures):
     f = formed(figures, LARGE)
     assert f.round_s > 0 and f.requests_per_round >= LARGE  # each agent wrote the state at least once
     assert math.isfinite(f.reround_s) and 0 < f.detect_s < f.reround_s
-    # A dead node is seen once its liveness lease expires (keep-alive interval x attempts: 2 s x 3).
-    assert f.detect_s >= f.keep_alive_interval * 3 * 0.9
+    # A dead node is seen once its liveness lease expires: keep-alive interval x attempts (2 s x 3) after its
+    # last refresh, which came up to one interval before it was lost (so 4 to 6 s after the loss; CI saw
+    # 5.1 s and 5.3 s, which the bound of 3 x 2 s x 0.9 that ignored the last refresh's age refused).
+    assert f.detect_s >= f.keep_alive_interval * (3 - 1) * 0.9
     # Keep-alives are lease refreshes, not writes of the state: the steady state adds no revision.
     assert f.lease_renewals_per_s > 0 and f.heartbeat_writes_per_s == 0 and f.db_bytes > 0
 
