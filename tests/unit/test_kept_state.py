@@ -193,7 +193,8 @@ def test_keep_does_not_wait_while_the_writer_is_idle_and_writes_each_step(direct
         keeper.close()
 
 
-def test_a_state_two_copies_of_which_do_not_fit_keeps_nothing_and_says_so(tmp_path, monkeypatch):
+def keeping_peers(tmp_path, monkeypatch):
+    """A one-rank PeerState that keeps steps (as under torchrun), and the events it emits."""
     from elastic_ft.train.peer_state import PeerState
     from elastic_ft.train.world import World
 
@@ -204,8 +205,12 @@ def test_a_state_two_copies_of_which_do_not_fit_keeps_nothing_and_says_so(tmp_pa
         def emit(self, event, **fields):
             emitted.append((event, fields))
 
-    peers = PeerState(World(0, 1, 0, 1, torch.device("cpu")), run_id=RUN, config_hash=CONFIG, enabled=True,
-                      strategy="ddp", directory=str(tmp_path), events=Events())
+    return PeerState(World(0, 1, 0, 1, torch.device("cpu")), run_id=RUN, config_hash=CONFIG, enabled=True,
+                     strategy="ddp", directory=str(tmp_path), events=Events()), emitted
+
+
+def test_a_state_two_copies_of_which_do_not_fit_keeps_nothing_and_says_so(tmp_path, monkeypatch):
+    peers, emitted = keeping_peers(tmp_path, monkeypatch)
     assert peers.keeper is not None
     huge = {"model": {"w": torch.empty(1, dtype=torch.uint8).expand(1 << 50)}}  # a PiB, never allocated
     peers.keep(step=1, cursor=32, tensors=huge, manifest={}, documents={})
@@ -233,18 +238,7 @@ def test_a_state_that_fits_is_kept_through_peer_state_and_fsdp_or_off_keeps_noth
 
 
 def test_a_state_that_cannot_be_kept_turns_keeping_off_and_training_goes_on(tmp_path, monkeypatch):
-    from elastic_ft.train.peer_state import PeerState
-    from elastic_ft.train.world import World
-
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
-    emitted = []
-
-    class Events:
-        def emit(self, event, **fields):
-            emitted.append((event, fields))
-
-    peers = PeerState(World(0, 1, 0, 1, torch.device("cpu")), run_id=RUN, config_hash=CONFIG, enabled=True,
-                      strategy="ddp", directory=str(tmp_path), events=Events())
+    peers, emitted = keeping_peers(tmp_path, monkeypatch)
     odd = {"model": {"w": torch.zeros(3, dtype=torch.complex64)}}  # no safetensors name here
     peers.keep(step=1, cursor=32, tensors=odd, manifest={}, documents={})  # does not raise
     assert peers.keeper is None and emitted[0][0] == "kept_state_off" and "complex64" in emitted[0][1]["reason"]

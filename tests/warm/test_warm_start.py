@@ -146,11 +146,21 @@ def test_sigterm_to_the_launcher_reaches_the_worker_and_its_status_comes_back(ru
         agent.stop()
 
 
-def test_a_launcher_sigkilled_takes_its_worker_along(runtime_dir):
+def spinning(runtime_dir: str) -> tuple[Agent, dict]:
+    """An agent whose one worker runs (and prints ``ready``) until stopped; the worker's facts."""
     agent = Agent([PROBE + ["spin"]], runtime_dir)
     try:
         facts = agent.facts()
         agent.line(lambda s: s == "ready")
+    except BaseException:
+        agent.stop()
+        raise
+    return agent, facts
+
+
+def test_a_launcher_sigkilled_takes_its_worker_along(runtime_dir):
+    agent, facts = spinning(runtime_dir)
+    try:
         assert facts["warm"]
         os.kill(facts["launcher"], signal.SIGKILL)  # torchrun's last resort, or a lost node
         assert agent.status() == -signal.SIGKILL
@@ -169,10 +179,8 @@ def test_a_worker_ended_by_a_signal_ends_its_launcher_by_that_signal(runtime_dir
 
 
 def test_a_stopped_launcher_stops_its_worker_and_sigcont_resumes_it(runtime_dir):
-    agent = Agent([PROBE + ["spin"]], runtime_dir)
+    agent, facts = spinning(runtime_dir)
     try:
-        facts = agent.facts()
-        agent.line(lambda s: s == "ready")
         os.kill(facts["launcher"], signal.SIGSTOP)  # a silent node
         wait_until(lambda: state(facts["pid"]) == psutil.STATUS_STOPPED, timeout=30, what="the worker to stop")
         os.kill(facts["launcher"], signal.SIGCONT)
@@ -184,10 +192,8 @@ def test_a_stopped_launcher_stops_its_worker_and_sigcont_resumes_it(runtime_dir)
 
 
 def test_the_agent_gone_ends_the_warm_process_and_every_worker_it_forked(runtime_dir):
-    agent = Agent([PROBE + ["spin"]], runtime_dir)
+    agent, facts = spinning(runtime_dir)
     try:
-        facts = agent.facts()
-        agent.line(lambda s: s == "ready")
         os.kill(facts["launcher"], signal.SIGSTOP)  # a stopped worker too: SIGKILL needs no SIGCONT
         wait_until(lambda: state(facts["pid"]) == psutil.STATUS_STOPPED, timeout=30, what="the worker to stop")
         agent.proc.kill()
@@ -198,33 +204,32 @@ def test_the_agent_gone_ends_the_warm_process_and_every_worker_it_forked(runtime
     finally:
         try:
             os.kill(facts["launcher"], signal.SIGKILL)
-        except (ProcessLookupError, NameError):
+        except ProcessLookupError:
             pass
+        agent.stop()
+
+
+def one_start(agent: Agent) -> tuple[dict, str]:
+    """The facts of the agent's one worker, once the agent ended with 0, and the agent's stderr."""
+    try:
+        facts = agent.facts()
+        assert agent.proc.wait(60) == 0
+        return facts, agent.proc.stderr.read()
+    finally:
         agent.stop()
 
 
 def test_a_directory_others_can_enter_is_not_used_and_the_worker_starts_cold_saying_so(runtime_dir):
     os.mkdir(os.path.join(runtime_dir, f"elastic_ft-warm-{os.getuid()}"), 0o755)
     os.chmod(os.path.join(runtime_dir, f"elastic_ft-warm-{os.getuid()}"), 0o755)
-    agent = Agent([PROBE + ["exit", "0"]], runtime_dir, hold=False)
-    try:
-        facts = agent.facts()
-        assert agent.proc.wait(60) == 0
-        err = agent.proc.stderr.read()
-    finally:
-        agent.stop()
+    facts, err = one_start(Agent([PROBE + ["exit", "0"]], runtime_dir, hold=False))
     assert not facts["warm"] and not facts["preloaded"]
     assert "starting this worker cold: no private directory for the warm process" in err, err
 
 
 def test_switched_off_every_worker_starts_cold_without_a_word(runtime_dir):
     agent = Agent([PROBE + ["exit", "0"]], runtime_dir, hold=False, ELASTIC_FT_WARM_START="0")
-    try:
-        facts = agent.facts()
-        assert agent.proc.wait(60) == 0
-        err = agent.proc.stderr.read()
-    finally:
-        agent.stop()
+    facts, err = one_start(agent)
     assert not facts["warm"] and not facts["preloaded"] and facts["ppid"] == agent.proc.pid
     assert "cold" not in err and not warm_files(runtime_dir)
 
