@@ -81,10 +81,10 @@ def _start(module: str, preload: str) -> str:
                       fds=[0, 1, 2])
         answer, _ = protocol.receive(sock)
     except (OSError, protocol.ProtocolError) as exc:
-        _restore_signals()
+        _give_up(sock, pending)
         return f"the warm process did not answer ({exc})"
     if not answer or "pid" not in answer:
-        _restore_signals()
+        _give_up(sock, pending)
         return f"the warm process refused: {(answer or {}).get('refused', 'it closed the connection')}"
     child.append(int(answer["pid"]))
     for signum in pending:
@@ -92,9 +92,14 @@ def _start(module: str, preload: str) -> str:
     _exit_as(_wait(sock, child[0]))
 
 
-def _restore_signals() -> None:
+def _give_up(sock: socket.socket, pending: list[int]) -> None:
+    """Before a cold start: the connection closed (a fork the warm process made anyway sees that and ends),
+    the signals as they were, and those that came meanwhile delivered to this process, which runs the worker."""
+    sock.close()
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    for signum in pending:
+        os.kill(os.getpid(), signum)
 
 
 def _wait(sock: socket.socket, pid: int) -> int:
