@@ -69,6 +69,11 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
     """The etcd client under the store and backend (set by :func:`create_handler`);
     ``shutdown()`` closes it. Kept here rather than read from torch's private ``_store``."""
 
+    etcd_store: Any = None
+    """The agents' store (an :class:`~elastic_ft.rendezvous.store.EtcdStore`, set by
+    :func:`create_handler`), where the members of a round meet. Kept here rather than
+    read from torch's private ``_store``."""
+
     _peers_left: LeaveMarker | None = None  # other nodes left on a notice: read before this round
     _members: dict | None = None  # the last round this node joined: each member's rank
 
@@ -181,14 +186,19 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
         :class:`WritersLostError` (from the store's writer check), and
         :meth:`next_rendezvous` starts a new round instead.
         """
-        keys = [f"{_MET_PREFIX}{rank}" for rank in range(info.world_size)]
-        info.store.set(keys[info.rank], b"1")
-        # The member whose key etcd stored last finds all N (each read follows its own
+        # On the etcd store itself, not through torch's PrefixStore: counting needs the keys'
+        # full prefix. The round keeps each round's meeting apart, as torch's prefix does.
+        store, round_ = self.etcd_store, self._joined[0]
+        met = f"{_MET_PREFIX}{round_}/"
+        store.set(f"{met}{info.rank}", b"1")
+        # The member whose key etcd stored last counts all N (each read follows its own
         # write, and etcd reads are linearizable) and opens the barrier: the others wait
         # for that one key, since N members each watching N keys cost etcd N*N events.
-        if info.store.check(keys):
-            info.store.set(_MET_ALL, b"1")
-        info.store.wait([_MET_ALL])
+        # A count (etcd's count_only range) is one small request whatever N, where reading
+        # the N keys would cost a transaction per 128 keys (etcd's --max-txn-ops).
+        if store.num_keys_under(met) >= info.world_size:
+            store.set(f"{_MET_ALL}{round_}", b"1")
+        store.wait([f"{_MET_ALL}{round_}"])
 
     def on_round_complete(self) -> None:
         """See base class (torch's hook once a round is complete): remember its members."""
@@ -320,9 +330,10 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
             return False
 
 
-# The keys of the meeting that ends each round (under the round's store prefix).
+# The keys of the meeting that ends each round (under the run's store prefix), followed
+# by the round: ``met/<round>/<rank>`` per member, ``met-all/<round>`` once all are in.
 _MET_PREFIX = "elastic_ft/met/"
-_MET_ALL = "elastic_ft/met-all"
+_MET_ALL = "elastic_ft/met-all/"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -374,7 +385,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=options.keep_alive_interval,
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
-    handler.etcd_client = client
+    handler.etcd_client, handler.etcd_store = client, store
     hand_leave_file(handler, params.run_id)
     # torch builds its own state holder; ours (same state, same backend) also
     # rides out etcd outages. The op executor holds it too. Private attributes:

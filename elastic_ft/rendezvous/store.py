@@ -195,7 +195,13 @@ class EtcdStore(dist.Store):
         self._run("set a key", lambda: self._client.put_many([(self._key(key), _to_bytes(value))]))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        """Set every key in one etcd transaction: readers see all of them or none."""
+        """Set every key, in etcd transactions of at most 128 keys (etcd's default limit,
+        :data:`~elastic_ft.rendezvous.etcd.kv.MAX_TXN_OPS`).
+
+        Atomic up to 128 keys: a reader of more may see the first 128 before the rest.
+        torch's caller needs no more: rank 0 writes each agent's assigned ranks, and each
+        agent waits for its own key only.
+        """
         if len(keys) != len(values):
             raise ValueError(
                 f"multi_set got {len(keys)} keys but {len(values)} values; they must match."
@@ -318,6 +324,11 @@ class EtcdStore(dist.Store):
     def num_keys(self) -> int:
         """How many keys the store holds (every key under its prefix)."""
         return self._run("count keys", lambda: self._client.count_prefix(self._prefix))
+
+    def num_keys_under(self, key_prefix: str) -> int:
+        """How many keys start with ``key_prefix`` (without the store's prefix); one
+        etcd request whatever their number, values not read."""
+        return self._run("count keys", lambda: self._client.count_prefix(self._key(key_prefix)))
 
     def getNumKeys(self) -> int:  # noqa: N802 (torch's C++ name)
         """``num_keys`` under the name torch's C++ ``PrefixStore`` calls it by."""

@@ -317,3 +317,53 @@ def test_wait_for_many_keys_reads_and_watches_them_together(etcd, run_id, monkey
     counts.clear()
     assert store.multi_get(keys) == [b"1"] * 10 + [b"2"] * 10
     assert sum(counts.values()) == 2, counts  # the wait's read and multi_get's own
+
+
+def test_more_keys_than_one_etcd_transaction_holds(etcd, run_id):
+    # etcd refuses a transaction of more than --max-txn-ops operations (128 by default,
+    # as the session's etcd runs): torch's rank assignment reads and writes one key per
+    # node, the handler's meeting checks one per node, so 200 nodes need 200 at once.
+    keys = [f"torchelastic/role_info/{i}" for i in range(200)]
+    values = [f"v{i}".encode() for i in range(200)]
+    # As torch's handler hands them out; Python must hold the inner stores (pybind).
+    inner = [make_store(etcd.endpoint, run_id) for _ in range(2)]
+    store, writer = (dist.PrefixStore("torch.rendezvous.r.0", s) for s in inner)
+    assert not store.check(keys)
+    writer.multi_set(keys[:150], values[:150])
+    late = threading.Thread(target=writer.multi_set, args=(keys[150:], values[150:]))
+    late.start()  # during the wait, or before it: either way the wait ends with all 200
+    try:
+        store.wait(keys)
+    finally:
+        late.join()
+    assert store.check(keys)
+    assert store.multi_get(keys) == values
+
+
+def test_a_wait_over_several_transactions_misses_no_put_between_them(etcd, run_id, monkeypatch):
+    # 200 keys are read in two transactions, at two revisions. A key read missing in the
+    # first and put before the second must still end the wait: its watch starts after the
+    # first read's revision, not the second's (from which it would wait for nothing).
+    import grpc
+
+    keys = [f"met/{i}" for i in range(200)]
+    writer = make_store(etcd.endpoint, run_id)
+    writer.multi_set(keys[1:], ["1"] * 199)  # connects the writer before the hook below
+    txns = []
+
+    class PutBetweenReads(grpc.UnaryUnaryClientInterceptor):
+        def intercept_unary_unary(self, call, details, request):  # type: ignore[no-untyped-def]
+            outcome = call(details, request)
+            if details.method.endswith("/Txn"):
+                txns.append(details.method)
+                if len(txns) == 1:
+                    writer.set(keys[0], "late")  # after the first read, before the second
+            return outcome
+
+    plain = grpc.insecure_channel
+    monkeypatch.setattr(grpc, "insecure_channel",
+                        lambda *a, **k: grpc.intercept_channel(plain(*a, **k), PutBetweenReads()))
+    store = make_store(etcd.endpoint, run_id, timeout=5)
+    store.wait(keys)
+    assert len(txns) == 2  # the two chunks of the wait's read, nothing read again
+    assert store.get(keys[0]) == b"late"

@@ -83,18 +83,19 @@ class EtcdClient:
         return self._failover.call("get", lambda s: kv.get(s, key))
 
     def get_many(self, keys: Sequence[str]) -> list[KeyValue | None]:
-        """Read several keys in one transaction (one consistent revision)."""
+        """Read several keys: one transaction (one revision) per :data:`~.kv.MAX_TXN_OPS` keys."""
         return self._read_many(keys)[0] if keys else []
 
     def _read_many(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
-        """Values of ``keys`` and the store revision read at; one key is one plain read."""
+        """Values of ``keys`` and the (lowest) store revision read at; one key is one plain read."""
         if len(keys) == 1:
             value, revision = self.get(keys[0])
             return [value], revision
         return self._failover.call("get", lambda s: kv.get_many(s, keys))
 
     def put_many(self, items: Sequence[tuple[str, bytes]], lease: bool = True) -> None:
-        """Write several keys in one transaction, attached to this client's lease."""
+        """Write several keys, attached to this client's lease: one transaction per
+        :data:`~.kv.MAX_TXN_OPS` keys, so atomic only up to that many."""
         if not items:
             return
         if lease:

@@ -7,9 +7,24 @@ Keys are ``str`` (UTF-8 on the wire), values ``bytes``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from . import wire
+
+
+MAX_TXN_OPS = 128
+"""The most operations this client puts in one etcd transaction: etcd's default
+``--max-txn-ops``, above which it refuses the whole transaction ("too many operations in
+txn request"). Reads and writes of more keys (one per node for torch's rank assignment,
+up to 512 nodes) go in chunks of this many."""
+
+_T = TypeVar("_T")
+
+
+def _chunks(items: Sequence[_T]) -> list[Sequence[_T]]:
+    """``items`` in runs of at most :data:`MAX_TXN_OPS`; no items are one empty run (one
+    transaction still, which reads the store's revision)."""
+    return [items[start:start + MAX_TXN_OPS] for start in range(0, max(len(items), 1), MAX_TXN_OPS)]
 
 
 @dataclass(frozen=True)
@@ -61,11 +76,21 @@ def get(session: Any, key: str) -> tuple[KeyValue | None, int]:
 
 
 def get_many(session: Any, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
-    """Several keys read in one transaction: their values (or ``None``) and the
-    store revision, one for all of them, they were read at."""
-    ops = [wire.message("RequestOp", request_range=_range(k)) for k in keys]
-    response = session.call(wire.TXN, wire.message("TxnRequest", success=ops))
-    return [_first(op.response_range.kvs) for op in response.responses], response.header.revision
+    """Several keys read in transactions of at most :data:`MAX_TXN_OPS` reads: their values
+    (or ``None``) and the revision of the first transaction, the lowest they were read at.
+
+    Up to :data:`MAX_TXN_OPS` keys are read at one revision; beyond, each chunk at its own.
+    A watch from the returned revision + 1 still misses no put: a key read missing in a
+    later chunk was not there at that chunk's revision either, so its put came after it.
+    """
+    values: list[KeyValue | None] = []
+    revisions = []
+    for chunk in _chunks(keys):
+        ops = [wire.message("RequestOp", request_range=_range(k)) for k in chunk]
+        response = session.call(wire.TXN, wire.message("TxnRequest", success=ops))
+        values += [_first(op.response_range.kvs) for op in response.responses]
+        revisions.append(response.header.revision)
+    return values, min(revisions)
 
 
 def get_with_keys(session: Any, key: str, prefix: str) -> tuple[KeyValue | None, list[str]]:
@@ -81,9 +106,11 @@ def _keys(response_range: Any) -> list[str]:
 
 
 def put_many(session: Any, items: Sequence[tuple[str, bytes]], lease_id: int | None) -> None:
-    """Several keys written in one transaction, attached to ``lease_id`` if given."""
-    ops = [_put_op(k, v, lease_id) for k, v in items]
-    session.call(wire.TXN, wire.message("TxnRequest", success=ops))
+    """Several keys written in transactions of at most :data:`MAX_TXN_OPS` puts, in order,
+    attached to ``lease_id`` if given. Atomic only up to :data:`MAX_TXN_OPS` keys: a reader
+    may see the first chunks before the rest (no caller needs more; see ``EtcdStore.multi_set``)."""
+    for chunk in _chunks(items):
+        session.call(wire.TXN, wire.message("TxnRequest", success=[_put_op(k, v, lease_id) for k, v in chunk]))
 
 
 def compare_and_put(

@@ -30,8 +30,8 @@ def wait_for_keys(
 
     At ``deadline`` (a :func:`time.monotonic` value) the keys still missing
     are ``None``. A key seen once counts as there, as in a wait key by key.
-    ``read`` is the retried read of several keys at one store revision
-    (values and that revision). One read and one watch over the range of the
+    ``read`` is the retried read of several keys (values and a store revision
+    no later than any of the reads: chunks of many keys are read at several). One read and one watch over the range of the
     missing keys serve the whole wait, however many keys: agents meeting at a
     barrier of N keys would otherwise cost etcd N reads and watches each.
     Raises :class:`EtcdClientError` when etcd refuses the watch itself.
