@@ -35,18 +35,23 @@ import struct
 import sys
 import tempfile
 
+from elastic_ft.handoff.lost_nodes import LOST_NODES_ENV
+
 SWITCH_ENV = "ELASTIC_FT_WARM_START"
 """``0`` starts every worker cold (as torchrun alone would)."""
 
 PER_WORKER_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", LOST_NODES_ENV,
 })
 """What torchrun's agent sets for each worker it starts (torch's ``LocalElasticAgent._start_workers``),
-and every ``TORCHELASTIC_*`` variable: none of them is read while the libraries are imported (CUDA reads
-its devices when first used, which the warm process never does), so they may differ between the warm
-process and the worker it forks."""
+every ``TORCHELASTIC_*`` variable, and what our etcd3 handler sets in the agent's own environment for the
+round after a lost node (:data:`~elastic_ft.handoff.lost_nodes.LOST_NODES_ENV`): none of them is read while
+the libraries are imported (CUDA reads its devices when first used, which the warm process never does), so
+they may differ between the warm process and the worker it forks. Were the lost-node note part of the
+fingerprint, every restart after a node loss (the restart warm starts are for) would start a new warm
+process, importing everything again, and leave the old one running until the agent exits."""
 
 MAX_MESSAGE = 1 << 20
 """A request is one environment and one command line: 1 MiB bounds what a peer can make us hold."""

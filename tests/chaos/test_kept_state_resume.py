@@ -21,6 +21,7 @@ import pytest
 from elastic_ft.runevents.events import read_events
 from elastic_ft.runevents.ledger import check_exactly_once, replay
 from elastic_ft.train import kept_files
+from elastic_ft.warm import protocol as warm_protocol
 from tests.chaos.cluster import Cluster, stall_bound
 from tests.e2e.conftest import train
 from tests.waiting import wait_until
@@ -66,6 +67,12 @@ def test_node_killed_between_commits_survivor_resumes_from_its_kept_step(cluster
     c.kill(c.nodes[1])
     wait_until(lambda: any(e["event"] == "resume_plan" and e["step"] > 0 for e in c.events()) or c.finished(),
                timeout=stall_bound(), what="the survivor's resume", on_timeout=c.tails)
+    if c.nodes[0].running:
+        # The survivor's restarted workers were forked by the warm process its agent started for the first
+        # round: the lost-node note of the new round is no reason for another one (which imports it all again).
+        socks = [f for f in os.listdir(warm_protocol.private_dir())
+                 if f.startswith(f"{c.nodes[0].agent.pid}-") and f.endswith(".sock")]
+        assert len(socks) == 1, socks
     wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)
 
     events = c.events()

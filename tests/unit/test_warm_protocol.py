@@ -21,6 +21,13 @@ def test_what_torchrun_sets_per_worker_does_not_change_the_fingerprint():
     assert protocol.fingerprint("m", "m:f", a) == protocol.fingerprint("m", "m:f", b)
 
 
+def test_the_lost_node_note_of_a_round_does_not_change_the_fingerprint():
+    """The agent notes a lost node in its own environment before the round's workers start: the restart after
+    a node loss must fork from the agent's warm process, not start (and keep) another one."""
+    lost = {**BASE, "ELASTIC_FT_LOST_NODES": "node(s) host_7090_0 (keep-alive expired) of round 2 lost"}
+    assert protocol.fingerprint("m", "m:f", lost) == protocol.fingerprint("m", "m:f", BASE)
+
+
 @pytest.mark.parametrize("change", [{"OMP_NUM_THREADS": "4"}, {"PYTHONPATH": "/other"}, {"NEW": "1"}])
 def test_any_other_difference_does(change):
     assert protocol.fingerprint("m", "m:f", BASE) != protocol.fingerprint("m", "m:f", {**BASE, **change})
