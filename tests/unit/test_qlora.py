@@ -4,8 +4,8 @@ What it proves: the frozen base is bitsandbytes' ``Linear4bit`` and its decoder 
 of their bfloat16 bytes (measured on the tensors); quantization is deterministic across processes (the same
 bytes in two fresh interpreters with different thread counts as here); adapters and optimizer state are
 float32 and a checkpoint holds them only; bad combinations are one line naming the field. Training through
-the real trainer, its loss falling, is here too (one rank); killed and resumed at another world size is
-tests/e2e/test_qlora_resume.py.
+the real trainer, its loss falling, is here too (one rank),; killed and resumed at another
+world size is tests/e2e/test_qlora_resume.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ print("DIGEST", state_digest(base))
 
 def test_bad_combinations_name_the_field():
     assert problems(*Q4, "lora=null")["quantization.load_in_4bit"].startswith("needs a lora section")
-    assert "fsdp cannot shard a 4-bit base" in problems(*Q4, "parallelism.strategy=fsdp")["parallelism.strategy"]
     assert "quantization.load_in_4bit" in problems(*Q4, "model.dtype=bfloat16")["model.dtype"]
     assert problems(*Q4, "quantization.quant_type=int4") == {
         "quantization.quant_type": "'int4' is not one of 'nf4', 'fp4'"}
@@ -68,6 +67,11 @@ def test_bad_combinations_name_the_field():
     assert "4-bit base" in problems(*Q4, "lora.init_lora_weights=orthogonal")["lora.init_lora_weights"]
     assert problems("lora.target_modules=q_proj") == {
         "lora.target_modules": "must be a list of str or 'all-linear', got 'q_proj'"}
+
+
+def test_a_4bit_base_under_fsdp_validates():
+    """Sharded since FSDP2 shards the packed weights (tests/unit/test_sharded_training.py trains it)."""
+    assert load_spec(DEFAULT_SPEC, [*Q4, "parallelism.strategy=fsdp"]).parallelism.strategy == "fsdp"
 
 
 def test_load_in_4bit_without_bitsandbytes_names_the_field_and_the_extra(monkeypatch):
@@ -233,3 +237,21 @@ def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, proce
                           env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == expected
+
+
+def test_an_evaluation_leaves_the_4bit_bytes_as_quantized():
+    """bitsandbytes repacks a CPU 4-bit weight in place at a no-grad eval-mode forward (AVX512-BF16 hosts),
+    after which training runs another kernel: the trainer's base keeps its layout, so a run that evaluated
+    trains on the bytes its resume quantizes (tests/unit/test_sharded_training.py shows the loss under FSDP).
+    Without AVX512-BF16 (this test passes either way there) bitsandbytes never repacks."""
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    base = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    before = quantized_digest(base)
+    base.eval()
+    with torch.no_grad():
+        base(input_ids=torch.arange(3, 19).reshape(2, 8))
+    assert quantized_digest(base) == before
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+                   for m in base.modules() if quantization.is_4bit(m))
+
