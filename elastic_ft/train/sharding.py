@@ -92,7 +92,7 @@ def shard(model: nn.Module, parallelism: ParallelismConfig, policy: PrecisionCon
     base's packed weights are sharded like any frozen weight (stored as bfloat16 for it,
     :data:`elastic_ft.train.quantization.SHARDED_STORAGE`); each all-gathered weight is a plain tensor,
     and bitsandbytes' ``Linear4bit`` gives it back its quantization state, which every rank keeps whole
-    (1/64 of the packed bytes with double quantization).
+    (one byte per 64 weights with double quantization: 1/32 of the packed bytes).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
