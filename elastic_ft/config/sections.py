@@ -58,7 +58,8 @@ class QuantizationConfig:
     """Q-LoRA: load the frozen base's decoder-layer Linear weights in 4 bits (bitsandbytes' ``Linear4bit``, via
     transformers' ``BitsAndBytesConfig``; the ``qlora`` extra: ``pip install 'elastic-ft[qlora]'``). About a
     quarter of their bfloat16 bytes; the embeddings, norms and output layer stay in ``precision.param_dtype``.
-    Needs a ``lora`` section (4-bit weights are not trained) and ``parallelism.strategy: ddp``. Quantizing is
+    Needs a ``lora`` section (4-bit weights are not trained); ``parallelism.strategy: fsdp`` shards the 4-bit
+    weights (stored as bfloat16 for it, bitsandbytes' ``quant_storage``) after each rank loads them. Quantizing is
     deterministic (the same base gives the same bytes on every worker) and the 4-bit weights are never
     checkpointed: each (re)started worker quantizes the base again as it loads it."""
     quant_type: Literal["nf4", "fp4"] = "nf4"

@@ -51,10 +51,6 @@ def _lora_problems(spec: JobSpec, check_files: bool) -> list[tuple[str, str]]:
         p.append(("lora.init_lora_weights", "orthogonal cannot start adapters on a 4-bit base "
                                             "(quantization.load_in_4bit: PEFT gives them the base weight's integer "
                                             "dtype); use true or gaussian"))
-    if spec.parallelism.strategy == "fsdp":
-        p.append(("parallelism.strategy", "fsdp cannot shard a 4-bit base (quantization.load_in_4bit: true): its "
-                                          "packed weights are not sharded here; use ddp (a 4-bit 8B base is ~5.5 GB "
-                                          "per rank), or load_in_4bit: false"))
     if spec.precision.param_dtype == "float16":
         # Measured: bitsandbytes returns its output in its input's dtype, float16 here, which the bfloat16
         # autocast that float16 weights require then refuses to mix ("Unexpected floating ScalarType").

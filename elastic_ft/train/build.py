@@ -99,7 +99,8 @@ def build_model_and_data(spec: JobSpec, world: World, store: ObjectStore,
 
     The dataset is the run's token store: tokenized once per run (by this world if ``store`` has none
     committed yet) and mapped from the node's disk, so a restart's cost does not grow with the data."""
-    load_to = sharding.load_device(spec.parallelism, world.device, world.distributed)
+    load_to = sharding.load_device(spec.parallelism, world.device, world.distributed,
+                                   quantized=spec.quantization.load_in_4bit)
     with InputSource.from_spec(spec) as inputs:  # s3:// model and data: this node's cached copies
         tokenizer, model = model_mod.build(spec, inputs, device=load_to)
         data = data_mod.load(spec.data, tokenizer, inputs, world=world, store=store, run_id=run_id)

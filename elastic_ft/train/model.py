@@ -17,7 +17,7 @@ import torch
 from elastic_ft.config import ConfigError, JobSpec, ModelConfig, PrecisionConfig, QuantizationConfig
 from elastic_ft.inputs.resolve import InputSource
 from elastic_ft.train import loss, precision
-from elastic_ft.train.quantization import bnb_config, device_problem, is_4bit
+from elastic_ft.train.quantization import bnb_config, device_problem, is_4bit, keep_one_layout
 
 _SPECIALS = ("<pad>", "<s>", "</s>")
 
@@ -135,9 +135,11 @@ def build_base_model(cfg: ModelConfig, tokenizer, seed: int, dtype: torch.dtype 
 
 
 def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, q: QuantizationConfig,
-                         device: torch.device | None = None):
+                         device: torch.device | None = None, sharded: bool = False):
     """The base with its decoder-layer Linear weights in 4 bits (``Linear4bit``), quantized onto ``device``
     (default: host memory) as transformers loads them; what is not quantized in ``policy``'s frozen dtype.
+    ``sharded``: the packed weights stored as FSDP shards them (:func:`quantization.bnb_config`); the
+    same bytes either way. Each module keeps its layout (:func:`quantization.keep_one_layout`).
 
     Deterministic: blockwise 4-bit quantization is a pure function of the weights, so the same base gives
     the same bytes in every process, and a restarted worker trains on exactly what its predecessor did.
@@ -152,9 +154,11 @@ def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: Precisi
     if (problem := device_problem(q, device.type, precision.bf16_supported(device))) is not None:
         raise ConfigError([problem])
     kwargs = pretrained_kwargs(precision.load_dtype(cfg.dtype, policy), device)
-    kwargs["quantization_config"] = bnb_config(q)
+    kwargs["quantization_config"] = bnb_config(q, sharded)
     if cfg.name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+        keep_one_layout(model)
+        return model
     import tempfile
 
     from safetensors.torch import save_model
@@ -166,17 +170,20 @@ def build_quantized_base(cfg: ModelConfig, tokenizer, seed: int, policy: Precisi
         full.config.save_pretrained(tmp)
         save_model(full, os.path.join(tmp, "model.safetensors"))
         del full
-        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+    keep_one_layout(model)
+    return model
 
 
 def build_base(cfg: ModelConfig, tokenizer, seed: int, policy: PrecisionConfig, device: torch.device | None = None,
-               quantization: QuantizationConfig | None = None):
+               quantization: QuantizationConfig | None = None, sharded: bool = False):
     """The base model for ``policy``: a pretrained one loaded straight in its frozen dtype onto ``device``
     (an 8B model never sits in host memory, nor anywhere as float32); an inline one built in float32, as
     its weights are drawn, and its parameters cast by :func:`precision.apply` (not its buffers: rotary
-    frequencies stay float32). With ``quantization.load_in_4bit``: :func:`build_quantized_base`."""
+    frequencies stay float32). With ``quantization.load_in_4bit``: :func:`build_quantized_base` (``sharded``:
+    for FSDP)."""
     if quantization is not None and quantization.load_in_4bit:
-        return build_quantized_base(cfg, tokenizer, seed, policy, quantization, device)
+        return build_quantized_base(cfg, tokenizer, seed, policy, quantization, device, sharded)
     if cfg.name_or_path is not None or precision.is_default(policy):
         return build_base_model(cfg, tokenizer, seed, precision.load_dtype(cfg.dtype, policy), device)
     return build_base_model(cfg, tokenizer, seed, torch.float32)
@@ -280,7 +287,8 @@ def build(spec: JobSpec, inputs: InputSource | None = None, device: torch.device
             return build(spec, own, device)
     cfg = inputs.model(spec.model)
     tokenizer = build_tokenizer(cfg)
-    base = build_base(cfg, tokenizer, spec.seed, spec.precision, device, spec.quantization)
+    base = build_base(cfg, tokenizer, spec.seed, spec.precision, device, spec.quantization,
+                      sharded=spec.parallelism.strategy == "fsdp")
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(base)
     model = apply_lora(base, spec)

@@ -88,7 +88,11 @@ def shard(model: nn.Module, parallelism: ParallelismConfig, policy: PrecisionCon
           world_size: int) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root (in place; returns ``model``, now an FSDPModule).
 
-    The process group must be up. Parameters become DTensors: build the optimizer after this.
+    The process group must be up. Parameters become DTensors: build the optimizer after this. A 4-bit
+    base's packed weights are sharded like any frozen weight (stored as bfloat16 for it,
+    :data:`elastic_ft.train.quantization.SHARDED_STORAGE`); each all-gathered weight is a plain tensor,
+    and bitsandbytes' ``Linear4bit`` gives it back its quantization state, which every rank keeps whole
+    (one byte per 64 weights with double quantization: 1/32 of the packed bytes).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -105,7 +109,8 @@ def shard(model: nn.Module, parallelism: ParallelismConfig, policy: PrecisionCon
     return model
 
 
-def load_device(parallelism: ParallelismConfig, device: torch.device, distributed: bool) -> torch.device | None:
+def load_device(parallelism: ParallelismConfig, device: torch.device, distributed: bool,
+                quantized: bool = False) -> torch.device | None:
     """Where a pretrained model's weights are loaded: ``device``, or the host (None) when the model is to
     be sharded.
 
@@ -113,7 +118,15 @@ def load_device(parallelism: ParallelismConfig, device: torch.device, distribute
     per rank, in its frozen dtype), and ``fully_shard`` moves each unit to the device as it shards it
     (FSDP2 moves a unit's parameters, then keeps only this rank's shard), so the device's peak is the
     shards plus one decoder layer whole. That is what lets a base that does not fit one device train.
+
+    A ``quantized`` (4-bit) base is the exception: it is quantized on the device as it loads, as under
+    ddp, and then sharded there, so a rank's peak is the whole 4-bit base once (5.7 GB for an 8B model),
+    its shards after; the 4-bit base must fit one device while it loads. Each weight's quantization state
+    (scales, code tables) is an attribute, not a parameter: loaded on the device it is where the packed
+    bytes are, with no reliance on FSDP's move of the parameters carrying it along (not tried on a GPU).
     """
+    if quantized:
+        return device
     return None if distributed and parallelism.strategy == "fsdp" else device
 
 

@@ -4,7 +4,9 @@
 Each trains (its loss falls), resumes exactly (4 steps uninterrupted against 2, then 2 more from the step-2
 checkpoint: the same trainable weights, bit for bit), reaches ``adapter_config.json`` and exports to a
 directory ``PeftModel.from_pretrained`` loads with the checkpoint's weights. Then ``export --merge`` for LoRA
-and Q-LoRA: greedy generation from the merged model equals the adapter model's.
+and Q-LoRA: greedy generation from the merged model equals the adapter model's. The built model's scale
+(alpha / r, rsLoRA's alpha / sqrt(r)) and the 4-bit weights' quant type and double quantization are checked
+on the modules themselves.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ OPTIONS = {
                         {"modules_to_save": ["lm_head"]}, True),
     "gaussian": (["lora.init_lora_weights=gaussian"], {"init_lora_weights": "gaussian"}, False),
     "qlora-dora": ([Q4, "lora.use_dora=true"], {"use_dora": True}, True),
+    "qlora-modules_to_save": ([Q4, "lora.target_modules=[q_proj,v_proj]", "lora.modules_to_save=[lm_head]"],
+                              {"modules_to_save": ["lm_head"]}, True),  # a full float32 lm_head beside 4 bits
 }
 
 
@@ -81,8 +85,9 @@ def test_each_option_trains_resumes_exactly_and_exports_what_peft_loads(tmp_path
             torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     if option.endswith("dora"):
         assert any(".lora_magnitude_vector." in n for n in weights)
-    if option == "modules_to_save":
+    if option.endswith("modules_to_save"):
         assert "base_model.model.lm_head.modules_to_save.default.weight" in weights
+        assert weights["base_model.model.lm_head.modules_to_save.default.weight"].dtype == torch.float32
 
     out = tmp_path / "adapter"
     assert export(f"file://{tmp_path}/ref", str(out)) == {"step": 4, "out": str(out), "lora": True}
@@ -95,6 +100,41 @@ def test_each_option_trains_resumes_exactly_and_exports_what_peft_loads(tmp_path
     params = dict(model.named_parameters())
     for name, tensor in weights.items():
         torch.testing.assert_close(params[name].detach().float(), tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("overrides, scale", [([], 16 / 8), (["lora.use_rslora=true"], 16 / 8 ** 0.5),
+                                              (["lora.use_rslora=true", "lora.r=4"], 16 / 2)],
+                         ids=["alpha/r", "rslora", "rslora-r4"])
+def test_the_built_adapters_scale_by_alpha_over_r_or_its_square_root(overrides, scale):
+    """rsLoRA's scale is alpha / sqrt(r) (16 / sqrt(8) here), plain LoRA's alpha / r, on every adapted layer of
+    the model the trainer builds (what a resume must rebuild, too)."""
+    from elastic_ft.config import load_spec
+    from elastic_ft.train import model as model_mod
+    from tests.conftest import DEFAULT_SPEC
+
+    spec = load_spec(DEFAULT_SPEC, overrides)
+    assert spec.lora.alpha == 16
+    _, model = model_mod.build(spec)
+    scales = [m.scaling["default"] for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
+    assert len(scales) == 7 * 2 + 1  # every projection of both layers, and lm_head
+    assert scales == pytest.approx([scale] * len(scales), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("overrides, quant_type, nested", [
+    (["quantization.quant_type=fp4"], "fp4", True), (["quantization.double_quant=false"], "nf4", False)],
+    ids=["fp4", "no-double-quant"])
+def test_fp4_and_single_quantization_reach_the_4bit_weights(overrides, quant_type, nested):
+    from elastic_ft.config import load_spec
+    from elastic_ft.train import model as model_mod
+    from elastic_ft.train.quantization import is_4bit
+    from tests.conftest import DEFAULT_SPEC
+
+    spec = load_spec(DEFAULT_SPEC, [Q4, *overrides])
+    tok = model_mod.build_tokenizer(spec.model)
+    base = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    states = [m.weight.quant_state for m in base.modules() if is_4bit(m)]
+    assert len(states) == 14
+    assert {(s.quant_type, s.nested) for s in states} == {(quant_type, nested)}
 
 
 def greedy(model, tokenizer, prompt: str, tokens: int = 6) -> list[int]:

@@ -4,8 +4,9 @@ What it proves: the frozen base is bitsandbytes' ``Linear4bit`` and its decoder 
 of their bfloat16 bytes (measured on the tensors); quantization is deterministic across processes (the same
 bytes in two fresh interpreters with different thread counts as here); adapters and optimizer state are
 float32 and a checkpoint holds them only; bad combinations are one line naming the field. Training through
-the real trainer, its loss falling, is here too (one rank); killed and resumed at another world size is
-tests/e2e/test_qlora_resume.py.
+the real trainer, its loss falling, is here too (one rank), as is the 8B spec's recipe (``all-linear`` with
+gradient checkpointing, without PEFT's ``prepare_model_for_kbit_training``); killed and resumed at another
+world size is tests/e2e/test_qlora_resume.py.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ print("DIGEST", state_digest(base))
 
 def test_bad_combinations_name_the_field():
     assert problems(*Q4, "lora=null")["quantization.load_in_4bit"].startswith("needs a lora section")
-    assert "fsdp cannot shard a 4-bit base" in problems(*Q4, "parallelism.strategy=fsdp")["parallelism.strategy"]
     assert "quantization.load_in_4bit" in problems(*Q4, "model.dtype=bfloat16")["model.dtype"]
     assert problems(*Q4, "quantization.quant_type=int4") == {
         "quantization.quant_type": "'int4' is not one of 'nf4', 'fp4'"}
@@ -68,6 +68,11 @@ def test_bad_combinations_name_the_field():
     assert "4-bit base" in problems(*Q4, "lora.init_lora_weights=orthogonal")["lora.init_lora_weights"]
     assert problems("lora.target_modules=q_proj") == {
         "lora.target_modules": "must be a list of str or 'all-linear', got 'q_proj'"}
+
+
+def test_a_4bit_base_under_fsdp_validates():
+    """Sharded since FSDP2 shards the packed weights (tests/unit/test_sharded_training.py trains it)."""
+    assert load_spec(DEFAULT_SPEC, [*Q4, "parallelism.strategy=fsdp"]).parallelism.strategy == "fsdp"
 
 
 def test_load_in_4bit_without_bitsandbytes_names_the_field_and_the_extra(monkeypatch):
@@ -233,3 +238,68 @@ def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, proce
                           env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == expected
+
+
+def test_an_evaluation_leaves_the_4bit_bytes_as_quantized():
+    """bitsandbytes repacks a CPU 4-bit weight in place at a no-grad eval-mode forward (AVX512-BF16 hosts),
+    after which training runs another kernel: the trainer's base keeps its layout, so a run that evaluated
+    trains on the bytes its resume quantizes (tests/unit/test_sharded_training.py shows the loss under FSDP).
+    Without AVX512-BF16 (this test passes either way there) bitsandbytes never repacks."""
+    spec = load_spec(DEFAULT_SPEC, Q4)
+    tok = model_mod.build_tokenizer(spec.model)
+    base = model_mod.build_base(spec.model, tok, spec.seed, spec.precision, None, spec.quantization)
+    before = quantized_digest(base)
+    base.eval()
+    with torch.no_grad():
+        base(input_ids=torch.arange(3, 19).reshape(2, 8))
+    assert quantized_digest(base) == before
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+                   for m in base.modules() if quantization.is_4bit(m))
+
+
+RECIPE = [*Q4, "lora.target_modules=all-linear", "lora.dropout=0.1", "precision.param_dtype=bfloat16",
+          "precision.compute=bfloat16"]
+"""The 8B Q-LoRA spec's recipe on the tiny model: every decoder Linear adapted on a 4-bit base, bfloat16
+frozen weights and compute, LoRA dropout on (recomputation must replay its masks)."""
+
+
+@pytest.mark.slow  # two short runs and two builds in this process: ~15 s on 2 cores
+def test_the_8b_recipe_trains_with_checkpointing_as_without_and_every_adapter_gets_a_gradient(tmp_path):
+    """``model.gradient_checkpointing`` (non-reentrant) on a 4-bit base with ``all-linear``: the same loss and
+    adapter gradients as without it, none of them zero, with no ``prepare_model_for_kbit_training`` (the
+    embedding's output does not require grad; model.py's ``apply_lora`` says why it is not called)."""
+    from elastic_ft.train import precision
+
+    grads, losses, calls = {}, {}, {}
+    for on in (False, True):
+        spec = load_spec(DEFAULT_SPEC, [*RECIPE, f"model.gradient_checkpointing={str(on).lower()}"])
+        _, model = model_mod.build(spec)
+        assert sum(quantization.is_4bit(m) for m in model.modules()) == 14
+        adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert len(adapters) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)  # B starts at zero, and so would A's gradient: as after some training
+            for n, p in adapters.items():
+                if ".lora_B." in n:
+                    p.normal_(0, 0.05)
+        mlp = model.get_base_model().model.layers[0].mlp
+        seen = []
+        mlp.register_forward_pre_hook(lambda *_: seen.append(1))
+        ids = torch.arange(3, 51).reshape(2, 24)
+        torch.manual_seed(11)  # the dropout masks
+        with precision.autocast(spec.precision, torch.device("cpu")):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[on], calls[on] = float(loss), len(seen)
+        grads[on] = {n: p.grad.clone() for n, p in adapters.items()}
+    assert calls == {False: 1, True: 2}  # the layer really recomputes
+    assert losses[True] == losses[False]
+    for name, grad in grads[False].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    plain = train(tmp_path, "plain", *RECIPE, "steps=3")
+    ckpt = train(tmp_path, "ckpt", *RECIPE, "steps=3", "model.gradient_checkpointing=true")
+    assert len(plain.losses) == 3 and ckpt.losses == pytest.approx(plain.losses, rel=1e-6, abs=0)
+    for (name, a), b in zip(plain.trainer.trainable.items(), ckpt.trainer.trainable.values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)

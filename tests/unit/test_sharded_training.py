@@ -1,8 +1,8 @@
 """``parallelism.strategy: fsdp`` in the real trainer, in this process: one rank on a real gloo group, so the
 model is really ``fully_shard``-ed (DTensor parameters on a mesh of one), its checkpoints sharded (DCP).
 
-What one rank can show: the sharded step computes what the replicated one does (full fine-tune and LoRA on
-a sharded base), a sharded checkpoint resumes exactly, either strategy resumes the other's checkpoint, and
+What one rank can show: the sharded step computes what the replicated one does (full fine-tune, LoRA on
+a sharded base, and Q-LoRA on a sharded 4-bit base), a sharded checkpoint resumes exactly, either strategy resumes the other's checkpoint, and
 a sharded LoRA checkpoint exports to an adapter PeftModel loads. Resharding across worlds of 2, 3 and 1
 ranks is tests/e2e/test_fsdp_resharding.py.
 """
@@ -38,6 +38,9 @@ class Done:
     sharded: bool
     resumed_from: int
     sharded_model: bool
+    evals: list[float]
+    sharded_4bit: int
+    """How many 4-bit (bitsandbytes) modules hold their packed weight as a DTensor shard."""
 
 
 @pytest.fixture
@@ -69,9 +72,15 @@ def run(mp, root, run_id: str, steps: int, *overrides: str) -> Done:
     loaded, _ = load_newest(store, run_id)
     weights = load_sharded_full(store, loaded.manifest)["model"] if is_sharded(loaded.manifest) \
         else loaded.tensors["model"]
+    from torch.distributed.tensor import DTensor
+
+    from elastic_ft.train.quantization import is_4bit
+
     return Done(losses=[e["loss"] for e in events if e["event"] == "step"], weights=weights,
                 sharded=is_sharded(loaded.manifest), resumed_from=[e for e in events if e["event"] == "resume_plan"][-1]["step"],
-                sharded_model=sharding.is_sharded(seen["net"]))
+                sharded_model=sharding.is_sharded(seen["net"]),
+                evals=[e["loss"] for e in events if e["event"] == "eval"],
+                sharded_4bit=sum(is_4bit(m) and isinstance(m.weight, DTensor) for m in seen["net"].modules()))
 
 
 def assert_same_weights(a: dict, b: dict, atol: float) -> None:
@@ -91,6 +100,22 @@ def test_the_sharded_step_computes_what_the_replicated_one_does(gloo_rank, tmp_p
     assert_same_weights(fsdp.weights, ddp.weights, atol=1e-5)
     if lora:
         assert all(".lora_" in n for n in fsdp.weights)  # the frozen, sharded base is not saved
+
+
+def test_a_sharded_4bit_base_trains_and_evaluates_as_the_replicated_one(gloo_rank, tmp_path):
+    """Q-LoRA under fsdp: the 4-bit weights (stored as bfloat16) are sharded DTensors, each all-gathered
+    weight finds its quantization state again, and an evaluation between steps leaves the next step as it
+    was (bitsandbytes' CPU repacking, which would pair repacked scales with unrepacked bytes, is off); the
+    checkpoint holds the adapters only, never the 4-bit weights."""
+    q4 = ["quantization.load_in_4bit=true", *LORA, "optimizer.lr=6e-3", "data.eval_fraction=0.2",
+          "eval.every_steps=2", "eval.max_samples=8"]
+    fsdp = run(gloo_rank, tmp_path, "fsdp", 4, *q4)
+    ddp = run(gloo_rank, tmp_path, "ddp", 4, "parallelism.strategy=ddp", *q4)
+    assert fsdp.sharded_model and fsdp.sharded_4bit == 14 and ddp.sharded_4bit == 0  # 7 projections x 2 layers
+    assert fsdp.losses[-1] < fsdp.losses[0] and fsdp.losses == pytest.approx(ddp.losses, rel=1e-5, abs=0)
+    assert len(fsdp.evals) == 2 and fsdp.evals == pytest.approx(ddp.evals, rel=1e-5, abs=0)
+    assert_same_weights(fsdp.weights, ddp.weights, atol=1e-5)
+    assert fsdp.weights and all(".lora_" in n for n in fsdp.weights)
 
 
 def test_the_chunked_loss_calls_the_output_layer_after_the_sharded_forward(gloo_rank, tmp_path):

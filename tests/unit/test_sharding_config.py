@@ -66,11 +66,13 @@ def test_the_trainer_checks_the_world_at_every_start_before_any_work(tmp_path):
 
 def test_a_model_to_be_sharded_is_loaded_into_host_memory_not_onto_the_device():
     """A pretrained base under fsdp must not land whole on a device it may not fit: fully_shard moves its
-    shards there. ddp, and a single process (nothing to shard over), load straight onto the device."""
+    shards there. ddp, and a single process (nothing to shard over), load straight onto the device; so does
+    a 4-bit base under fsdp (quantized on the device, its scales with it, then sharded there)."""
     gpu = torch.device("cuda", 3)
     assert sharding.load_device(ParallelismConfig(strategy="fsdp"), gpu, distributed=True) is None
     assert sharding.load_device(ParallelismConfig(strategy="fsdp"), gpu, distributed=False) == gpu
     assert sharding.load_device(ParallelismConfig(strategy="ddp"), gpu, distributed=True) == gpu
+    assert sharding.load_device(ParallelismConfig(strategy="fsdp"), gpu, distributed=True, quantized=True) == gpu
 
 
 def test_mesh_shape_is_one_dimensional_or_replicate_by_shard():
