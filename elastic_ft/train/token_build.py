@@ -352,5 +352,4 @@ def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group
     return store, Built(ident, built, time.monotonic() - t0)
 
 
-__all__ = ["Built", "MAX_EXCHANGE_TIMEOUT_S", "STORE_PREFIX", "TRANSFER_BYTES_PER_S", "WORK_PER_INPUT_BYTE", "build",
-           "ensure", "exchange_timeout"]
+__all__ = ["Built", "STORE_PREFIX", "build", "ensure"]
