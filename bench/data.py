@@ -78,6 +78,14 @@ def cpu_s() -> float:
 # ------------------------------------------------------------------ children (fresh interpreters)
 
 
+def first_micro_batch(n: int, args) -> list[int]:
+    """The first step as the trainer starts it: the cursor's order of epoch 0 (a shuffle of all ``n``
+    indices), the step's global batch taken from it, and the indices of its first micro-batch."""
+    from elastic_ft.train.cursor import take
+
+    return [i for _, i in take(0, args.global_batch, n, seed=1234)][:args.micro_batch]
+
+
 def child(args) -> None:
     t_spawn = float(args.t0)
     if args.child == "build-rank":  # under torchrun: every rank
@@ -99,8 +107,8 @@ def child(args) -> None:
         cfg = config(args.data, args.max_length)
         rows = read_json_lines([args.data])
         data = old_tokenize({f: [r[f] for r in rows] for f in ("prompt", "response")}, cfg, byte_tokenizer())
-        idx = list(range(8))
-        _ = {k: v[idx] for k, v in data.items()}  # the first micro-batch
+        idx = first_micro_batch(len(rows), args)
+        _ = {k: v[idx] for k, v in data.items()}
         print(json.dumps({"seconds": time.time() - t_spawn, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(),
                           "samples": len(rows)}), flush=True)
         return
@@ -134,8 +142,8 @@ def _datasets_map(args) -> dict:
     mapped = raw.map(tokenize, batched=True, batch_size=1024, with_indices=True, num_proc=2,
                      remove_columns=raw.column_names)
     t_map = time.monotonic() - t0 - t_arrow
-    first = mapped[:8]  # the first micro-batch's rows, as Python lists
-    assert len(first["input_ids"]) == min(8, len(mapped))
+    first = mapped[first_micro_batch(len(mapped), args)]  # the first micro-batch's rows, as Python lists
+    assert len(first["input_ids"]) == min(args.micro_batch, args.global_batch, len(mapped))
     cache_mb = sum(os.path.getsize(f["filename"]) for f in mapped.cache_files) / 2**20
     return {"seconds": time.time() - float(args.t0), "load_s": time.monotonic() - t0, "arrow_s": t_arrow,
             "map_s": t_map, "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(mapped), "cache_mb": cache_mb}
@@ -150,18 +158,20 @@ def _load(args, world) -> dict:
     store, built = data_mod.load_with_report(config(args.data, args.max_length, args.packing), byte_tokenizer(), world=world,
                                              store=LocalStore(args.run_store), run_id="bench")
     t_built = time.monotonic() - t0
-    _ = store.batch(list(range(min(8, len(store)))))  # the first micro-batch
+    _ = store.batch(first_micro_batch(len(store), args))
     return {"seconds": time.time() - float(args.t0), "load_s": t_built, "built": built.built,
             "rss_mb": max_rss_mb(), "cpu_s": cpu_s(), "samples": len(store), "tokens": int(store.header.tokens),
             "directory": store.directory}
 
 
 def spawn(mode: str, data: str, cache: str, run_store: str, max_length: int, *, ranks: int = 1,
-          packing: bool = False) -> dict:
+          packing: bool = False, step: tuple[int, int] = (64, 8)) -> dict:
+    """Run child ``mode`` in a fresh interpreter (``ranks`` > 1: under torchrun); its JSON report. ``step``:
+    the (global batch, micro-batch) of the first step a restart child takes."""
     env = dict(os.environ, ELASTIC_FT_INPUT_CACHE=cache, PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="true")
     script = os.path.abspath(__file__)
     tail = ["--child", mode, "--data", data, "--run-store", run_store, "--max-length", str(max_length),
-            *(["--packing"] if packing else [])]
+            "--global-batch", str(step[0]), "--micro-batch", str(step[1]), *(["--packing"] if packing else [])]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                script, *tail]
@@ -240,13 +250,14 @@ def store_mb(directory: str) -> float:
 
 def store_only(args, data: str, fresh) -> None:
     """The large case: the store built by a 2-rank world, a restart from it, and the demo corpus's restart."""
+    step = (args.global_batch, args.micro_batch)
     cache, store = fresh("two")
-    b2 = spawn("build-rank", data, cache, store, args.max_length, ranks=2)
-    r = spawn("load", data, cache, store, args.max_length)
+    b2 = spawn("build-rank", data, cache, store, args.max_length, ranks=2, step=step)
+    r = spawn("load", data, cache, store, args.max_length, step=step)
     assert not r["built"], "the restart built the store again"
     dcache, dstore = fresh("demo")
-    spawn("load", DEMO, dcache, dstore, 48)
-    d = spawn("load", DEMO, dcache, dstore, 48)
+    spawn("load", DEMO, dcache, dstore, 48, step=step)
+    d = spawn("load", DEMO, dcache, dstore, 48, step=step)
     print(f"{'measure':42s} {'samples':>9s} {'seconds':>9s} {'max RSS MB':>11s} {'CPU s':>8s}")
     for name, n, row in (("build, 2 ranks (torchrun, gloo)", args.samples, b2),
                          ("restart, store (to first batch)", args.samples, r),
@@ -299,11 +310,11 @@ def main(argv=None) -> None:
         old_data = data
     print(f"generated {args.samples:,} samples ({os.path.getsize(data) / 2**20:.0f} MiB) in {time.time() - t:.1f} s",
           flush=True)
-    rows = []
+    rows, step = [], (args.global_batch, args.micro_batch)
     if args.padding_only:
         kept = {name: (os.path.join(work, name, "cache"), os.path.join(work, name, "runs")) for name in ("one", "packed")}
-        b1 = spawn("load", data, *kept["one"], args.max_length)
-        bp = spawn("load", data, *kept["packed"], args.max_length, packing=True)
+        b1 = spawn("load", data, *kept["one"], args.max_length, step=step)
+        bp = spawn("load", data, *kept["packed"], args.max_length, packing=True, step=step)
         return print_padding(args, b1, bp)
 
     def fresh(name: str) -> tuple[str, str]:
@@ -314,30 +325,30 @@ def main(argv=None) -> None:
     if args.store_only:
         return store_only(args, data, fresh)
     cache, store = fresh("one")
-    b1 = spawn("load", data, cache, store, args.max_length)
+    b1 = spawn("load", data, cache, store, args.max_length, step=step)
     rows.append(("build, 1 process", args.samples, b1["load_s"], b1["rss_mb"], b1["cpu_s"]))
     cache2, store2 = fresh("two")
-    b2 = spawn("build-rank", data, cache2, store2, args.max_length, ranks=2)
+    b2 = spawn("build-rank", data, cache2, store2, args.max_length, ranks=2, step=step)
     rows.append(("build, 2 ranks (torchrun, gloo)", args.samples, b2["load_s"], b2["rss_mb"], b2["cpu_s"]))
-    r = spawn("load", data, cache, store, args.max_length)
+    r = spawn("load", data, cache, store, args.max_length, step=step)
     assert not r["built"], "the restart built the store again"
     rows.append(("restart, store (to first batch)", args.samples, r["seconds"], r["rss_mb"], r["cpu_s"]))
     dcache, dstore = fresh("demo")
-    spawn("load", DEMO, dcache, dstore, 48)
-    d = spawn("load", DEMO, dcache, dstore, 48)
+    spawn("load", DEMO, dcache, dstore, 48, step=step)
+    d = spawn("load", DEMO, dcache, dstore, 48, step=step)
     rows.append(("restart, store, demo corpus (1,024)", 1024, d["seconds"], d["rss_mb"], d["cpu_s"]))
     hf_cache = os.path.join(work, "hf-datasets")
     shutil.rmtree(hf_cache, ignore_errors=True)
-    m = spawn("datasets-map", data, cache, hf_cache, args.max_length)
+    m = spawn("datasets-map", data, cache, hf_cache, args.max_length, step=step)
     rows.append(("build, datasets.map num_proc=2 (Arrow)", args.samples, m["load_s"], m["rss_mb"], m["cpu_s"]))
-    mr = spawn("datasets-restart", data, cache, hf_cache, args.max_length)
+    mr = spawn("datasets-restart", data, cache, hf_cache, args.max_length, step=step)
     rows.append(("restart, datasets cache (to first batch)", args.samples, mr["seconds"], mr["rss_mb"], mr["cpu_s"]))
-    o = spawn("old", old_data, cache, store, args.max_length)
+    o = spawn("old", old_data, cache, store, args.max_length, step=step)
     rows.append((f"restart, old path (to first batch)", old_samples, o["seconds"], o["rss_mb"], o["cpu_s"]))
-    od = spawn("old", DEMO, cache, store, 48)
+    od = spawn("old", DEMO, cache, store, 48, step=step)
     rows.append(("restart, old path, demo corpus (1,024)", 1024, od["seconds"], od["rss_mb"], od["cpu_s"]))
     pcache, pstore = fresh("packed")
-    bp = spawn("load", data, pcache, pstore, args.max_length, packing=True)
+    bp = spawn("load", data, pcache, pstore, args.max_length, packing=True, step=step)
     rows.append(("build, 1 process, packed rows", args.samples, bp["load_s"], bp["rss_mb"], bp["cpu_s"]))
 
     print(f"\ntoken store: {b1['samples']:,} samples, {b1['tokens']:,} tokens, max_length {args.max_length}")
