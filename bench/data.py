@@ -406,7 +406,7 @@ def print_targets(b2: dict, r: dict, d: dict, ratios: dict[str, float]) -> None:
                                  ("computed per real token, padded per micro-batch", padded, 1.25, ""),
                                  ("computed per real token, packed (eager, sdpa)", packed, 1.05, ""),
                                  ("computed per real token, packed (flash-attention)", flat, 1.05, "")):
-        print(f"  {name:50s} {got:>8.3f}{unit} <= {top}{unit}: {'met' if got <= top else 'MISSED'}")
+        print(f"  {name:50s} {got:>9.4f}{unit} <= {top}{unit}: {'met' if got <= top else 'MISSED'}")
 
 
 if __name__ == "__main__":
