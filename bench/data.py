@@ -333,7 +333,7 @@ def main(argv=None) -> None:
     old_data = os.path.join(work, f"synthetic-{old_samples}.jsonl")
     t = time.time()
     generate(data, args.samples)
-    if old_samples != args.samples:
+    if old_samples != args.samples and not (args.store_only or args.padding_only):  # only the full run has the old path
         generate(old_data, old_samples)
     else:
         old_data = data
