@@ -104,8 +104,8 @@ def test_packed_rows_resume_at_another_world_matches_uninterrupted_run(run_root,
     """With ``data.packing`` the cursor deals packed rows: an uninterrupted run at world 1 and one killed at
     world 2 and resumed at world 1 train the same rows, every row exactly once, and reach the same loss.
     On the demo corpus's first 256 samples (fewer rows than 12 steps take, so the run crosses the epoch
-    seam at a tenth of the samples test's tokens): 42 s on the 2-core machine at load 5.5, where the
-    samples test took 65 s."""
+    seam at a tenth of the samples test's tokens): 20 s on the idle 2-core machine (42 s at load 5.5),
+    where the samples test takes 26 s (65 s)."""
     with open(load_spec(DEFAULT_SPEC).data.files[0], encoding="utf-8") as f:
         head = [next(f) for _ in range(PACKED_SAMPLES)]
     corpus = tmp_path / "corpus.jsonl"
