@@ -15,17 +15,37 @@ import functools
 import numpy as np
 
 
+def order_dtype(n: int) -> np.dtype:
+    """The smallest unsigned integer type that holds every index of ``range(n)``."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if n - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint64)
+
+
 @functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
-    """The permutation of ``range(n)`` used for ``epoch``.
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The permutation of ``range(n)`` used for ``epoch``, as a read-only array.
 
     numpy's PCG64 seeded with the pair (seed, epoch): its stream is stable
     across numpy releases (NEP 19), unlike ``torch.randperm`` across devices.
+    Kept as one array of :func:`order_dtype` (4 bytes per sample below 2**32
+    samples; at most 4 epochs cached), never as a Python int per sample, so a
+    restart's cost is one numpy shuffle of ``n`` (30-50 ms per million samples
+    on a loaded 2-core machine) and no Python object that grows with the
+    dataset. Read-only
+    because the cached object is shared by every caller.
     """
     if n <= 0:
         raise ValueError(f"the dataset is empty (n={n}); check data.files and data.max_length")
     rng = np.random.Generator(np.random.PCG64([seed, epoch]))
-    return tuple(int(i) for i in rng.permutation(n))
+    # What rng.permutation(n) does (arange, then shuffle in place), in the small
+    # type from the start: the same draws, so the same order, without its
+    # 8-byte-per-sample int64 copy at the peak of a restart.
+    order = np.arange(n, dtype=order_dtype(n))
+    rng.shuffle(order)
+    order.flags.writeable = False
+    return order
 
 
 def take(cursor: int, count: int, n: int, seed: int) -> list[tuple[int, int]]:
@@ -33,10 +53,10 @@ def take(cursor: int, count: int, n: int, seed: int) -> list[tuple[int, int]]:
 
     A batch may straddle an epoch boundary: it ends one epoch's order and
     starts the next one's, so no sample is dropped or repeated at the seam.
-    Builds nothing but the ``count`` pairs it returns, reading each epoch's
-    order it touches in place (a step's batch is bounded by the dataset size
-    before training starts: scaling.total_steps). Raises ValueError for a
-    negative ``cursor`` or ``count``.
+    Builds nothing but the ``count`` pairs it returns (Python ints), reading
+    each epoch's order array it touches in place (a step's batch is bounded
+    by the dataset size before training starts: scaling.total_steps). Raises
+    ValueError for a negative ``cursor`` or ``count``.
     """
     if cursor < 0 or count < 0:
         raise ValueError(f"take: cursor ({cursor}) and count ({count}) must be >= 0")
@@ -48,7 +68,7 @@ def take(cursor: int, count: int, n: int, seed: int) -> list[tuple[int, int]]:
         epoch, offset = divmod(pos, n)
         stop = min(n, offset + (end - pos))  # this epoch's part of the batch ends here
         order = epoch_order(seed, epoch, n)
-        out.extend((epoch, order[k]) for k in range(offset, stop))
+        out.extend((epoch, i) for i in order[offset:stop].tolist())
         pos += stop - offset
     return out
 

@@ -77,26 +77,21 @@ download of the store (about 3 bytes per token), hashed once. A build: one
 tokenization pass over the data, shared by the ranks, plus each part's upload
 and the leader's concatenation (one pass over the tokens).
 
-Why a format of our own, not ``datasets.map``. ``bench/data.py`` at 100,000
-samples (150.5 M tokens, ``max_length`` 2048, the byte tokenizer; this 2-core
-host shared with other jobs, load average 7-9 during the run, so CPU seconds
-are the comparable figure): the store built by 1 process in 109 s wall
-(45.8 CPU s), by a 2-rank world in 64 s wall (26.6 CPU s on its leader);
+Why a format of our own, not ``datasets.map``. Measured by ``bench/data.py``
+(the figures of one run are in the README, "Data is tokenized once per run"):
 ``load_dataset`` to Arrow then ``map(num_proc=2)`` to Arrow cache files, doing
-the same tokenization (:func:`~elastic_ft.train.token_records.encode`), in
-107 s wall and 56.4 CPU s (JSON to Arrow 1.7 s, the map 105 s: each batch's
-Python lists of ids are converted to Arrow lists and the shards written by the
-workers). Its cache is 575 MiB, the store 432 MiB (uint16 ids, a byte of
-trained mark per token). A restart to the first micro-batch: 4.9 s and 301 MB
-maximum RSS from the store, 7.7 s and 409 MB from the ``datasets`` cache (both
-steps cache hits), 7.5 s and 297 MB for the store of the 1,024-line demo
-corpus. Beyond the figures, the ``datasets`` cache is per node and named by a
-fingerprint of the map function, not of the data's bytes: nothing commits it to
-the run's location or verifies it when another node takes it, and its
-``num_proc`` splits work within one node, not across the world's ranks. So the
-store keeps its own format; ``datasets`` reads what is not JSON Lines
-(parquet, text, a dataset name or a saved directory), memory-mapped, feeding
-the same shares.
+the same tokenization (:func:`~elastic_ft.train.token_records.encode`), costs
+about the CPU of the store's 1-process build (the map's time goes to turning
+each batch's Python lists of ids into Arrow lists and writing the shards).
+Its cache is a third larger than the store (int32 ids against the smallest
+unsigned id type plus a byte of trained mark per token), and a restart from
+it is slower and about 100 MB larger in RSS than one from the store. Beyond the figures, the
+``datasets`` cache is per node and named by a fingerprint of the map
+function, not of the data's bytes: nothing commits it to the run's location
+or verifies it when another node takes it, and its ``num_proc`` splits work
+within one node, not across the world's ranks. So the store keeps its own
+format; ``datasets`` reads what is not JSON Lines (parquet, text, a dataset
+name or a saved directory), memory-mapped, feeding the same shares.
 """
 
 from __future__ import annotations
@@ -352,5 +347,4 @@ def _ensure(world, run_store, run_id, cfg, tokenizer, node_root, fmt, hub, group
     return store, Built(ident, built, time.monotonic() - t0)
 
 
-__all__ = ["Built", "MAX_EXCHANGE_TIMEOUT_S", "STORE_PREFIX", "TRANSFER_BYTES_PER_S", "WORK_PER_INPUT_BYTE", "build",
-           "ensure", "exchange_timeout"]
+__all__ = ["Built", "STORE_PREFIX", "build", "ensure"]

@@ -39,9 +39,9 @@ def test_chunked_loss_bench_runs():
 
 def test_data_bench_runs_its_store_measures():
     """``bench/data.py``'s children (a 2-rank torchrun build, restarts from the store) at 200 samples."""
-    done = bench("data.py", "--samples", "200", "--max-length", "128", "--store-only")
+    done = bench("data.py", "--samples", "200", "--max-length", "128", "--store-only", "--repeats", "1")
     assert done.returncode == 0, explain(done)
-    assert re.search(r"restart vs demo corpus: [+-]\d+\.\d+ s", done.stdout), explain(done)
+    assert re.search(r"restart vs demo corpus \(fastest of 1\): [+-]\d+\.\d+ s", done.stdout), explain(done)
     assert "build, 2 ranks" in done.stdout, explain(done)
 
 

@@ -1,26 +1,55 @@
 """Data order (elastic_ft.train.cursor): permutations, the cursor across epochs
 and restarts at other world sizes, and the deal to ranks."""
 
+import numpy as np
 import pytest
 
 from elastic_ft.config import BatchConfig
-from elastic_ft.train.cursor import deal, epoch_order, take
+from elastic_ft.train.cursor import deal, epoch_order, order_dtype, take
 from elastic_ft.train.scaling import plan_batch
 
 
 def test_epoch_order_is_a_deterministic_permutation():
     order = epoch_order(7, 0, 100)
-    assert sorted(order) == list(range(100))
-    assert order != tuple(range(100))
+    assert sorted(order.tolist()) == list(range(100))
+    assert order.tolist() != list(range(100))
     epoch_order.cache_clear()
-    assert epoch_order(7, 0, 100) == order  # recomputed, not the cached object
+    again = epoch_order(7, 0, 100)
+    assert again is not order and np.array_equal(again, order)  # recomputed, not the cached object
 
 
 def test_epoch_order_differs_by_seed_and_epoch():
     base = epoch_order(1, 0, 50)
-    assert epoch_order(2, 0, 50) != base
-    assert epoch_order(1, 1, 50) != base
-    assert sorted(epoch_order(1, 1, 50)) == list(range(50))
+    assert not np.array_equal(epoch_order(2, 0, 50), base)
+    assert not np.array_equal(epoch_order(1, 1, 50), base)
+    assert sorted(epoch_order(1, 1, 50).tolist()) == list(range(50))
+
+
+def _old_epoch_order(seed, epoch, n):
+    """The order as it was first defined (a tuple of Python ints): runs that resume must keep it, bit for bit."""
+    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+    return tuple(int(i) for i in rng.permutation(n))
+
+
+@pytest.mark.parametrize("seed,epoch,n", [(0, 0, 1), (1234, 0, 256), (1234, 3, 257), (7, 1, 65_536),
+                                          (7, 2, 65_537), (2**40 + 5, 9, 100_003)])
+def test_epoch_order_is_the_old_tuple_kept_as_one_read_only_array(seed, epoch, n):
+    # A restart used to build one Python int per sample (about 36 MB per epoch at
+    # a million samples): the cached order is one array, no list or tuple.
+    order = epoch_order(seed, epoch, n)
+    assert isinstance(order, np.ndarray) and not order.flags.writeable
+    assert order.dtype == order_dtype(n) and order.dtype.itemsize * n == order.nbytes
+    assert tuple(order.tolist()) == _old_epoch_order(seed, epoch, n)
+    assert [i for _, i in take(epoch * n, n, n, seed)] == list(_old_epoch_order(seed, epoch, n))
+    assert all(type(i) is int for _, i in take(max(0, epoch * n + n - 3), 5, n, seed))  # JSON- and torch-safe
+    with pytest.raises(ValueError, match="read-only"):
+        order[0] = 0
+
+
+@pytest.mark.parametrize("n,dtype", [(1, np.uint8), (256, np.uint8), (257, np.uint16), (65_536, np.uint16),
+                                     (65_537, np.uint32), (2**32, np.uint32), (2**32 + 1, np.uint64)])
+def test_order_dtype_is_the_smallest_that_holds_every_index(n, dtype):
+    assert order_dtype(n) == np.dtype(dtype)
 
 
 def test_epoch_order_rejects_empty_dataset():
@@ -31,9 +60,9 @@ def test_epoch_order_rejects_empty_dataset():
 def test_take_within_and_across_epochs():
     n, seed = 10, 3
     e0, e1 = epoch_order(seed, 0, n), epoch_order(seed, 1, n)
-    assert take(0, 4, n, seed) == [(0, i) for i in e0[:4]]
+    assert take(0, 4, n, seed) == [(0, i) for i in e0[:4].tolist()]
     got = take(8, 5, n, seed)
-    assert got == [(0, e0[8]), (0, e0[9]), (1, e1[0]), (1, e1[1]), (1, e1[2])]
+    assert got == [(0, int(e0[8])), (0, int(e0[9])), (1, int(e1[0])), (1, int(e1[1])), (1, int(e1[2]))]
     # two whole epochs: each sample exactly once in each
     both = take(0, 2 * n, n, seed)
     assert sorted(i for e, i in both if e == 0) == list(range(n))
@@ -43,7 +72,7 @@ def test_take_within_and_across_epochs():
 
 def _take_by_definition(cursor, count, n, seed):
     """The definition take() must keep: position p is epoch p // n, index order[p % n]."""
-    return [(p // n, epoch_order(seed, p // n, n)[p % n]) for p in range(cursor, cursor + count)]
+    return [(p // n, int(epoch_order(seed, p // n, n)[p % n])) for p in range(cursor, cursor + count)]
 
 
 @pytest.mark.parametrize("cursor,count,n", [(0, 1, 1), (0, 7, 7), (3, 4, 7), (5, 30, 7), (69, 1, 7), (14, 0, 7),

@@ -18,7 +18,7 @@ from elastic_ft.checkpoint.local import LocalStore
 from elastic_ft.config import DataConfig, load_spec
 from elastic_ft.train import data as data_mod
 from elastic_ft.train.model import byte_tokenizer
-from elastic_ft.train.token_store import IGNORE, PAD_MULTIPLE
+from elastic_ft.train.token_store import IGNORE, PAD_MULTIPLE, token_dtype
 from tests.conftest import DEFAULT_SPEC
 from tests.unit.old_tokenize import old_tokenize
 
@@ -147,7 +147,18 @@ def _run_store(tmp_path):
     return LocalStore(str(tmp_path / "runs" / "r"))
 
 
-def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog):
+def _flip_middle_byte(data: bytes) -> bytes:
+    torn = bytearray(data)
+    torn[len(torn) // 2] ^= 0xFF  # an altered byte: the same size, another digest
+    return bytes(torn)
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]  # an upload cut short: another size than the manifest's
+
+
+@pytest.mark.parametrize("tear", [_flip_middle_byte, _truncate], ids=["altered", "truncated"])
+def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog, tear):
     path = write_jsonl(tmp_path / "d.jsonl", varied_rows(40))
     cfg = DataConfig(files=[path], prompt_field="q", response_field="a", max_length=32)
     tok = byte_tokenizer()
@@ -155,9 +166,7 @@ def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog):
     expected = np.array(good.tokens)
     run = tmp_path / "runs" / "r" / "tokens" / built.identity
     blob = next((run / "blobs").glob("*/tokens.bin/00000"))
-    torn = bytearray(blob.read_bytes())
-    torn[len(torn) // 2] ^= 0xFF  # an altered byte: the same size, another digest
-    blob.write_bytes(bytes(torn))
+    blob.write_bytes(tear(blob.read_bytes()))
     node_copy = cache / "tokens" / built.identity
     for name in os.listdir(node_copy):  # a node that never had it: it must fetch from the run's store
         os.remove(node_copy / name)
@@ -169,6 +178,19 @@ def test_a_torn_blob_is_refused_and_the_store_rebuilt(cache, tmp_path, caplog):
     assert len(os.listdir(run / "quarantine")) == 1  # the torn store's manifest, kept for inspection
     # The rebuilt store's blobs are verified: a third start maps it without building.
     assert not data_mod.load_with_report(cfg, tok, store=_run_store(tmp_path), run_id="r")[1].built
+
+
+@pytest.mark.parametrize("vocab,dtype", [(1, "u1"), (256, "u1"), (257, "<u2"), (65_536, "<u2"), (65_537, "<u4"),
+                                         (2**32, "<u4")])
+def test_token_dtype_is_the_smallest_that_holds_every_id(vocab, dtype):
+    got = token_dtype(vocab)
+    assert got == np.dtype(dtype) and got.str[0] in "|<"  # little-endian on disk whatever the host
+    assert int(np.array([vocab - 1]).astype(got)[0]) == vocab - 1  # the top id survives the narrowing
+
+
+def test_token_dtype_refuses_a_vocabulary_beyond_32_bits():
+    with pytest.raises(ValueError, match=r"a vocabulary of 4294967297 ids does not fit 32 bits"):
+        token_dtype(2**32 + 1)
 
 
 def _alter_flip_byte(copy) -> None:
