@@ -10,6 +10,7 @@ returns torch's own
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -187,9 +188,9 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
         :meth:`next_rendezvous` starts a new round instead.
         """
         # On the etcd store itself, not through torch's PrefixStore: counting needs the keys'
-        # full prefix. The round keeps each round's meeting apart, as torch's prefix does.
-        store, round_ = self.etcd_store, self._joined[0]
-        met = f"{_MET_PREFIX}{round_}/"
+        # full prefix. The meeting's name keeps each round's meeting apart, as torch's prefix does.
+        store, meeting = self.etcd_store, meeting_of(*self._joined)
+        met = f"{_MET_PREFIX}{meeting}/"
         store.set(f"{met}{info.rank}", b"1")
         # The member whose key etcd stored last counts all N (each read follows its own
         # write, and etcd reads are linearizable) and opens the barrier: the others wait
@@ -197,8 +198,8 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
         # A count (etcd's count_only range) is one small request whatever N, where reading
         # the N keys would cost a transaction per 128 keys (etcd's --max-txn-ops).
         if store.num_keys_under(met) >= info.world_size:
-            store.set(f"{_MET_ALL}{round_}", b"1")
-        store.wait([f"{_MET_ALL}{round_}"])
+            store.set(f"{_MET_ALL}{meeting}", b"1")
+        store.wait([f"{_MET_ALL}{meeting}"])
 
     def on_round_complete(self) -> None:
         """See base class (torch's hook once a round is complete): remember its members."""
@@ -331,9 +332,19 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
 
 
 # The keys of the meeting that ends each round (under the run's store prefix), followed
-# by the round: ``met/<round>/<rank>`` per member, ``met-all/<round>`` once all are in.
+# by the meeting's name (:func:`meeting_of`): ``met/<name>/<rank>`` per member,
+# ``met-all/<name>`` once all are in.
 _MET_PREFIX = "elastic_ft/met/"
 _MET_ALL = "elastic_ft/met-all/"
+
+
+def meeting_of(round_: int, members: Any) -> str:
+    """The name of the meeting that ends round ``round_`` of ``members`` (node descriptors: host, pid and
+    local id), the same on every member. The members are part of it because a round number alone can repeat:
+    a rendezvous state that expired (it lives on its last writer's lease) starts again at round 0 while an
+    earlier job's meeting keys, on other agents' leases, may still be there to open a barrier too early."""
+    digest = hashlib.sha256("\n".join(sorted(map(str, members))).encode()).hexdigest()[:16]
+    return f"{round_}-{digest}"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

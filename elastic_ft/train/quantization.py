@@ -59,9 +59,20 @@ def keep_one_layout(model) -> None:
     step without it gave 5.538363, so a run that evaluated and its resume from a checkpoint before that
     evaluation would part; under FSDP the repacked quant state then meets the next all-gather's
     unrepacked bytes (loss 5.672 for 5.538). GPUs never repack; on a CPU evaluation costs the plain kernel.
+
+    The switch is bitsandbytes' own attribute (0.50: ``Linear4bit.support_avx512bf16_for_cpu``); a version
+    without it would take the assignment silently and repack all the same, so its absence is an error
+    (the ``qlora`` extra asks for a version that has it).
     """
     for module in model.modules():
         if is_4bit(module):
+            if not hasattr(module, "support_avx512bf16_for_cpu"):
+                import bitsandbytes
+
+                raise RuntimeError(
+                    f"bitsandbytes {bitsandbytes.__version__}'s Linear4bit has no support_avx512bf16_for_cpu "
+                    "switch, which keeps a CPU 4-bit weight in the layout it was quantized in; install the "
+                    "version the qlora extra names (pip install 'elastic-ft[qlora]')")
             module.support_avx512bf16_for_cpu = False
 
 

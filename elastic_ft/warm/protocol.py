@@ -1,7 +1,8 @@
 """What a launcher and the node's warm process share: where the warm process listens, who may use it, the messages.
 
-Standard library only: the launcher imports this at every worker start, and
-its whole point is to import nothing heavy.
+The standard library and one constant of :mod:`elastic_ft.handoff`: the
+launcher imports this at every worker start, and its whole point is to import
+nothing heavy.
 
 **Where.** One warm process per torchrun agent and per *fingerprint*, listening
 on a Unix socket in a private directory of this user (mode 0700, owned by us,
@@ -13,7 +14,8 @@ never finds a dead agent's process) and the fingerprint.
 worker that would have imported the same: the same interpreter and flags,
 ``sys.path``, module, preload and environment, except the variables torchrun
 sets per worker and per restart (ranks, world sizes, master address, restart
-count, visible devices). Any other difference gives a different fingerprint,
+count, visible devices) and the lost-node note our agent sets for a round
+(:data:`PER_WORKER_ENV`). Any other difference gives a different fingerprint,
 so a different warm process (or a cold start), never a fork with the wrong
 imports.
 

@@ -70,7 +70,8 @@ def test_node_killed_between_commits_survivor_resumes_from_its_kept_step(cluster
     if c.nodes[0].running:
         # The survivor's restarted workers were forked by the warm process its agent started for the first
         # round: the lost-node note of the new round is no reason for another one (which imports it all again).
-        socks = [f for f in os.listdir(warm_protocol.private_dir())
+        assert (warm_dir := warm_protocol.private_dir()) is not None
+        socks = [f for f in os.listdir(warm_dir)
                  if f.startswith(f"{c.nodes[0].agent.pid}-") and f.endswith(".sock")]
         assert len(socks) == 1, socks
     wait_until(c.finished, timeout=FINISH_S, what="the end of the run", interval=1, on_timeout=c.tails)

@@ -322,7 +322,7 @@ def test_wait_for_many_keys_reads_and_watches_them_together(etcd, run_id, monkey
 def test_more_keys_than_one_etcd_transaction_holds(etcd, run_id):
     # etcd refuses a transaction of more than --max-txn-ops operations (128 by default,
     # as the session's etcd runs): torch's rank assignment reads and writes one key per
-    # node, the handler's meeting checks one per node, so 200 nodes need 200 at once.
+    # node, so 200 nodes need 200 at once (the handler's meeting counts its keys instead).
     keys = [f"torchelastic/role_info/{i}" for i in range(200)]
     values = [f"v{i}".encode() for i in range(200)]
     # As torch's handler hands them out; Python must hold the inner stores (pybind).
@@ -367,3 +367,28 @@ def test_a_wait_over_several_transactions_misses_no_put_between_them(etcd, run_i
     store.wait(keys)
     assert len(txns) == 2  # the two chunks of the wait's read, nothing read again
     assert store.get(keys[0]) == b"late"
+
+
+def test_a_round_meets_once_every_member_is_in_and_a_stale_meeting_never_opens_it(etcd, run_id):
+    """The handler's meeting at the end of a round (``EtcdRendezvousHandler._meet``) on a real etcd: the
+    barrier opens once the round's last member is in, and an earlier meeting of the same round number (an
+    expired rendezvous state starts again at round 0 while an earlier job's keys may live on) opens none."""
+    from types import SimpleNamespace
+
+    from elastic_ft.rendezvous import handler as handler_mod
+
+    members = frozenset({"hostA_101_0", "hostB_102_0", "hostC_103_0"})
+    earlier = make_store(etcd.endpoint, run_id)
+    stale = handler_mod.meeting_of(0, {"hostA_901_0", "hostB_902_0"})
+    for key in (f"{handler_mod._MET_PREFIX}{stale}/0", f"{handler_mod._MET_PREFIX}{stale}/1",
+                f"{handler_mod._MET_PREFIX}{stale}/2", f"{handler_mod._MET_ALL}{stale}"):
+        earlier.set(key, b"1")
+
+    def meet(rank: int, timeout: float = 10) -> None:
+        node = SimpleNamespace(etcd_store=make_store(etcd.endpoint, run_id, timeout=timeout), _joined=(0, members))
+        handler_mod.EtcdRendezvousHandler._meet(node, SimpleNamespace(rank=rank, world_size=len(members)))
+
+    # Two of the three members: the stale meeting's keys do not count, so their wait runs out.
+    with pytest.raises(dist.DistStoreError, match="Wait timeout"):
+        run_in_threads(lambda rank: meet(rank, timeout=1.5), 2)
+    run_in_threads(meet, 3)  # all three: every member returns

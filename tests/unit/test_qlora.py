@@ -72,7 +72,8 @@ def test_bad_combinations_name_the_field():
 
 def test_a_4bit_base_under_fsdp_validates():
     """Sharded since FSDP2 shards the packed weights (tests/unit/test_sharded_training.py trains it)."""
-    assert load_spec(DEFAULT_SPEC, [*Q4, "parallelism.strategy=fsdp"]).parallelism.strategy == "fsdp"
+    # load_spec raises ConfigError, naming each problem, for a spec it refuses.
+    assert load_spec(DEFAULT_SPEC, [*Q4, "parallelism.strategy=fsdp"]).quantization.load_in_4bit
 
 
 def test_load_in_4bit_without_bitsandbytes_names_the_field_and_the_extra(monkeypatch):
@@ -238,6 +239,14 @@ def test_a_worker_without_a_4bit_base_never_imports_bitsandbytes(tmp_path, proce
                           env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_installed_bitsandbytes_has_the_layout_switch_the_trainer_sets():
+    """On any host: keep_one_layout relies on Linear4bit's own attribute; a bitsandbytes that renamed it would
+    let CPU evaluations repack the weights again without a word."""
+    import bitsandbytes as bnb
+
+    assert "support_avx512bf16_for_cpu" in vars(bnb.nn.Linear4bit(64, 64))
 
 
 def test_an_evaluation_leaves_the_4bit_bytes_as_quantized():
