@@ -10,7 +10,6 @@ returns torch's own
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
@@ -37,6 +36,7 @@ from .agent_faults import hold_at
 from .leased_heartbeats import release_liveness
 from .lifecycle import LeaveOp, close_on_shutdown, departed, on_closed, reopen
 from .liveness import LossDetection
+from .meeting import meet
 from .spot_leave import EarlyCloseExecutor, NodeLeft, hand_leave_file, peers_leave, staying_members
 from .store import WritersLostError
 from .torch_internals import (
@@ -179,27 +179,10 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
             op_executor(self).expected = None
 
     def _meet(self, info: RendezvousInfo) -> None:
-        """Return from a round only once every participant has reached it.
-
-        A node lost between the round completing and the agents' rank
-        assignment would leave the others waiting in torch's agent for its
-        keys, where a failure ends the agent. Here a lost node raises
-        :class:`WritersLostError` (from the store's writer check), and
-        :meth:`next_rendezvous` starts a new round instead.
-        """
-        # On the etcd store itself, not through torch's PrefixStore: counting needs the keys'
-        # full prefix. The meeting's name keeps each round's meeting apart, as torch's prefix does.
-        store, meeting = self.etcd_store, meeting_of(*self._joined)
-        met = f"{_MET_PREFIX}{meeting}/"
-        store.set(f"{met}{info.rank}", b"1")
-        # The member whose key etcd stored last counts all N (each read follows its own
-        # write, and etcd reads are linearizable) and opens the barrier: the others wait
-        # for that one key, since N members each watching N keys cost etcd N*N events.
-        # A count (etcd's count_only range) is one small request whatever N, where reading
-        # the N keys would cost a transaction per 128 keys (etcd's --max-txn-ops).
-        if store.num_keys_under(met) >= info.world_size:
-            store.set(f"{_MET_ALL}{meeting}", b"1")
-        store.wait([f"{_MET_ALL}{meeting}"])
+        """Return from a round only once every participant has reached it (see :mod:`.meeting`): a node
+        lost before then raises :class:`WritersLostError`, and :meth:`next_rendezvous` starts a new round."""
+        round_, members = self._joined
+        meet(self.etcd_store, round_, members, info.rank)
 
     def on_round_complete(self) -> None:
         """See base class (torch's hook once a round is complete): remember its members."""
@@ -329,22 +312,6 @@ class EtcdRendezvousHandler(LossDetection, HandlerBase):
                 exc,
             )
             return False
-
-
-# The keys of the meeting that ends each round (under the run's store prefix), followed
-# by the meeting's name (:func:`meeting_of`): ``met/<name>/<rank>`` per member,
-# ``met-all/<name>`` once all are in.
-_MET_PREFIX = "elastic_ft/met/"
-_MET_ALL = "elastic_ft/met-all/"
-
-
-def meeting_of(round_: int, members: Any) -> str:
-    """The name of the meeting that ends round ``round_`` of ``members`` (node descriptors: host, pid and
-    local id), the same on every member. The members are part of it because a round number alone can repeat:
-    a rendezvous state that expired (it lives on its last writer's lease) starts again at round 0 while an
-    earlier job's meeting keys, on other agents' leases, may still be there to open a barrier too early."""
-    digest = hashlib.sha256("\n".join(sorted(map(str, members))).encode()).hexdigest()[:16]
-    return f"{round_}-{digest}"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

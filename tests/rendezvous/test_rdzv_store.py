@@ -370,25 +370,22 @@ def test_a_wait_over_several_transactions_misses_no_put_between_them(etcd, run_i
 
 
 def test_a_round_meets_once_every_member_is_in_and_a_stale_meeting_never_opens_it(etcd, run_id):
-    """The handler's meeting at the end of a round (``EtcdRendezvousHandler._meet``) on a real etcd: the
-    barrier opens once the round's last member is in, and an earlier meeting of the same round number (an
-    expired rendezvous state starts again at round 0 while an earlier job's keys may live on) opens none."""
-    from types import SimpleNamespace
-
-    from elastic_ft.rendezvous import handler as handler_mod
+    """The meeting that ends a round (elastic_ft.rendezvous.meeting, the handler's last step of a round) on a
+    real etcd: the barrier opens once the round's last member is in, and an earlier meeting of the same round
+    number (an expired rendezvous state starts again at round 0 while an earlier job's keys may live on)
+    opens none."""
+    from elastic_ft.rendezvous.meeting import MET_ALL, MET_PREFIX, meet, meeting_of
 
     members = frozenset({"hostA_101_0", "hostB_102_0", "hostC_103_0"})
     earlier = make_store(etcd.endpoint, run_id)
-    stale = handler_mod.meeting_of(0, {"hostA_901_0", "hostB_902_0"})
-    for key in (f"{handler_mod._MET_PREFIX}{stale}/0", f"{handler_mod._MET_PREFIX}{stale}/1",
-                f"{handler_mod._MET_PREFIX}{stale}/2", f"{handler_mod._MET_ALL}{stale}"):
+    stale = meeting_of(0, {"hostA_901_0", "hostB_902_0", "hostC_903_0"})
+    for key in [f"{MET_PREFIX}{stale}/{rank}" for rank in range(3)] + [f"{MET_ALL}{stale}"]:
         earlier.set(key, b"1")
 
-    def meet(rank: int, timeout: float = 10) -> None:
-        node = SimpleNamespace(etcd_store=make_store(etcd.endpoint, run_id, timeout=timeout), _joined=(0, members))
-        handler_mod.EtcdRendezvousHandler._meet(node, SimpleNamespace(rank=rank, world_size=len(members)))
+    def member(rank: int, timeout: float = 10) -> None:
+        meet(make_store(etcd.endpoint, run_id, timeout=timeout), 0, members, rank)
 
     # Two of the three members: the stale meeting's keys do not count, so their wait runs out.
     with pytest.raises(dist.DistStoreError, match="Wait timeout"):
-        run_in_threads(lambda rank: meet(rank, timeout=1.5), 2)
-    run_in_threads(meet, 3)  # all three: every member returns
+        run_in_threads(lambda rank: member(rank, timeout=1.5), 2)
+    run_in_threads(member, 3)  # all three: every member returns
