@@ -85,12 +85,14 @@ def first_step_after(events: list[dict], t: float, world: int | None = None) -> 
 
     An attempt that started but never trained (a round interrupted by another
     change) is passed over: the one whose step came first is the new world.
+    A ``carried`` step (a lost leader's step, written again by the new leader
+    at a resume from a node's kept step) is not one the new world trained.
     """
     start = None
     for i, e in enumerate(events):
         if e["event"] == "start":
             start = i if e["ts"] > t and (world is None or e["world"] == world) else None
-        elif e["event"] == "step_done" and start is not None:
+        elif e["event"] == "step_done" and start is not None and not e.get("carried"):
             return start, i
     return None
 
@@ -163,7 +165,7 @@ def recovery(kind: str, t0: float, events: list[dict], marks: list[tuple[float, 
         head = [("detect (agent restarts workers)", restart)]
     tail = [("stop workers", rendezvousing), ("re-rendezvous", complete), ("worker spawn", process),
             ("worker init (imports, model, process group)", start["ts"]),
-            ("load checkpoint, plan", plan and plan["ts"]),
+            ("resume: kept step or checkpoint, plan", plan and plan["ts"]),
             ("first step", step["ts"])]
     return Recovery(kind=kind, parts=_chain(t0, head + tail), total=step["ts"] - t0,
                     worlds=(world_before, start["world"]), lost=max(0, trained - resumed),
