@@ -185,6 +185,9 @@ def test_whole_job_lost_and_started_again_with_the_same_command_then_again_once_
     trains_again(c, t, "the whole job's restart")
     events = finish(c, reference, WHOLE_JOB_STEPS, to_end=True)
     assert [e for e in events if e["event"] == "resume_plan"][-1]["step"] > 0
+    # Every node is new after a whole-job loss: no kept step survives it, the first resume reads the store.
+    first = next(e for e in events if e["event"] == "resume_plan" and e["ts"] > t)
+    assert first["origin"] == "checkpoint" and first["step"] > 0 and first["source"], first
     for node in c.nodes:
         assert node.agent.wait(120) == 0, node.agent.tail()
     for node in c.nodes:  # the same command again: the rendezvous of the completed job is reopened
