@@ -323,7 +323,7 @@ class EtcdStore(dist.Store):
 
     def num_keys(self) -> int:
         """How many keys the store holds (every key under its prefix)."""
-        return self._run("count keys", lambda: self._client.count_prefix(self._prefix))
+        return self.num_keys_under("")
 
     def num_keys_under(self, key_prefix: str) -> int:
         """How many keys start with ``key_prefix`` (without the store's prefix); one

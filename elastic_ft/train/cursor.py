@@ -31,8 +31,8 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     across numpy releases (NEP 19), unlike ``torch.randperm`` across devices.
     Kept as one array of :func:`order_dtype` (4 bytes per sample below 2**32
     samples; at most 4 epochs cached), never as a Python int per sample, so a
-    restart's cost is one numpy shuffle of ``n`` (30-50 ms per million samples
-    on a loaded 2-core machine) and no Python object that grows with the
+    restart's cost is one numpy shuffle of ``n`` (tens of ms per million samples
+    on a 2-core machine, bench/data.py) and no Python object that grows with the
     dataset. Read-only
     because the cached object is shared by every caller.
     """
